@@ -1,0 +1,34 @@
+"""Errors users see."""
+
+from __future__ import annotations
+
+
+class GridError(RuntimeError):
+    """Wrong use of a grid: a closed grid, a worker of another grid, an unsupported tensor."""
+
+
+class RemoteError(RuntimeError):
+    """An op failed on a worker.
+
+    `.worker` ran it, `.op` is the ATen op, `.where` is the file:line of the user's code
+    that recorded it and `.remote_traceback` the worker's traceback summary.
+    """
+
+    def __init__(self, worker: str, op: str, message: str, where: str = "<unknown>",
+                 remote_traceback: str = "") -> None:
+        self.worker, self.op, self.where = worker, op, where
+        self.remote_traceback = remote_traceback
+        self.remote_message = message
+        super().__init__(
+            f"{op} failed on worker {worker!r} (recorded at {where}):\n  {message}"
+        )
+
+
+class WorkerLost(RuntimeError):
+    """A worker stopped answering; `.worker` names it and `.values` the tensors lost with it."""
+
+    def __init__(self, worker: str, values: list[str] | None = None) -> None:
+        self.worker = worker
+        self.values = values or []
+        lost = f"; lost tensors: {', '.join(self.values)}" if self.values else ""
+        super().__init__(f"worker {worker!r} stopped answering{lost}")

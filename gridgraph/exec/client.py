@@ -1,0 +1,318 @@
+"""The client runtime: owns the pointers, compiles pending work and runs it on workers.
+
+State:
+    graph      pending nodes and the metadata of every value (gridgraph.trace.graph)
+    live       value id -> cell of the pointer that names it now
+    failed     value id -> the RemoteError that kept it from being computed
+    frees      per worker, value ids to free, sent with the next request to that worker
+
+The loop of `execute`: take what the targets need from the pending graph, place it, split it
+into per-worker programs (gridgraph.schedule), send one message per worker, wait for the
+replies, then record where each value now lives and drop what no one needs.
+
+Freed pointers only append to a queue (their finalizer may run on any thread, at any time);
+the queue is drained at the start of the next request, so releases travel in batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+from gridgraph.errors import GridError, RemoteError
+from gridgraph.exec import wire
+from gridgraph.exec.transport import Transport
+from gridgraph.exec.worker import worker_topic
+from gridgraph.schedule.place import naive_placement
+from gridgraph.schedule.plan import Plan, split
+from gridgraph.trace.graph import Graph, Node
+from gridgraph.trace.meta import OutputSpec, TensorMeta
+from gridgraph.trace.pointer import RemoteTensor
+from gridgraph.trace.record import on
+
+# A standalone free message goes out once this many releases wait for one worker.
+FREE_BATCH = 512
+
+
+class _Cell:
+    """The value id a pointer names; shared with the pointer's finalizer."""
+
+    __slots__ = ("vid",)
+
+    def __init__(self, vid: int) -> None:
+        self.vid = vid
+
+
+class Client:
+    """One user's side of a grid."""
+
+    def __init__(self, transport: Transport, workers: list[str], timeout: float = 300.0) -> None:
+        self.transport = transport
+        self.workers = list(workers)
+        self.timeout = timeout
+        self.graph = Graph()
+        self.topic = f"gridgraph.client.{transport.identity}"
+        self.live: dict[int, _Cell] = {}
+        self.failed: dict[int, RemoteError] = {}
+        self.frees: dict[str, list[int]] = {w: [] for w in workers}
+        self.closed = False
+        self.place = naive_placement
+        self._dead: deque[int] = deque()
+        self._runs = itertools.count(1)
+        self._replies: dict[str, dict] = {}
+        self._cv = threading.Condition()
+        self._lock = threading.RLock()  # one execution at a time per client
+        transport.subscribe(self.topic, self._on_reply)
+
+    # --- pointers --------------------------------------------------------------------------
+
+    def make_pointer(self, vid: int, requires_grad: bool = False) -> RemoteTensor:
+        p = RemoteTensor(self, vid, self.graph.values[vid].meta, requires_grad)
+        cell = _Cell(vid)
+        p._cell = cell
+        self.live[vid] = cell
+        weakref.finalize(p, self._dead.append, cell)
+        return p
+
+    def rebind(self, p: RemoteTensor, vid: int) -> None:
+        """Point `p` at a new version of its tensor (after an in-place op)."""
+        cell = p._cell
+        self.live.pop(cell.vid, None)
+        self._dead.append(_Cell(cell.vid))  # the old version: free once nothing needs it
+        cell.vid = p._vid = vid
+        self.live[vid] = cell
+
+    def location_of(self, vid: int) -> str | None:
+        value = self.graph.values.get(vid)
+        return value.location if value is not None else None
+
+    def _collect_dead(self) -> None:
+        """Release values whose pointers died, unless pending work still reads them."""
+        if not self._dead:
+            return
+        pending_inputs = {v for n in self.graph.nodes() for v in n.inputs()}
+        while self._dead:
+            cell = self._dead.popleft()
+            vid = cell.vid
+            if vid is None:
+                continue
+            if self.live.get(vid) is cell:
+                del self.live[vid]
+            elif vid in self.live:
+                continue  # another pointer names this value now
+            self.failed.pop(vid, None)
+            value = self.graph.values.get(vid)
+            if value is None or vid in pending_inputs or value.producer in self.graph.dag:
+                continue  # pending: the plan frees it after its last use
+            if value.location is not None:
+                self.frees[value.location].append(vid)
+            del self.graph.values[vid]
+        for w, ids in self.frees.items():
+            if len(ids) >= FREE_BATCH:
+                self._send(w, {"kind": "free"})
+
+    # --- recording hooks (gridgraph.trace.record.Owner) -----------------------------------
+
+    def record(self, node: Node, eager: bool) -> None:
+        self._check_open()
+        self.graph.add(node)
+        if eager:
+            self.execute(list(node.outputs))
+
+    def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
+        self._check_open()
+        self.graph.add(node)
+        needed = self.graph.needed_for(node.inputs()) | {node.id}
+        plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
+        node.meta["location"] = plan.placement[node.id]
+        for reply in replies.values():
+            for base, kind, metas, pyvals in reply.get("dynamic", ()):
+                return OutputSpec(kind, tuple(_meta(m) for m in metas)), pyvals
+        raise GridError(f"worker did not report the result of {node.name}")
+
+    def fetch(self, vid: int) -> torch.Tensor:
+        self._check_open()
+        plan, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
+        for reply in replies.values():
+            for slot, tensor in reply.get("returns", ()):
+                if plan.slots[slot] == vid:
+                    return tensor
+        raise GridError(f"no worker returned value %{vid}")
+
+    def compute(self, pointers: list[RemoteTensor]) -> None:
+        self.execute([p._vid for p in pointers])
+
+    def execute(self, vids: list[int]) -> None:
+        """Run what these values need; they stay on the workers."""
+        self._check_open()
+        self._execute(self.graph.needed_for(vids), fetch=[])
+
+    def compute_all(self) -> None:
+        """Run every pending node."""
+        self._execute(set(self.graph.dag.nodes), fetch=[])
+
+    def move(self, p: RemoteTensor, worker: str) -> None:
+        if worker not in self.workers:
+            raise GridError(f"{worker!r} is not a worker of this grid")
+        with torch.no_grad(), on(worker):
+            copy = torch.ops.aten.clone.default(p)
+        self.execute([copy._vid])
+        vid = copy._vid
+        copy._cell.vid = None  # `p` takes over the copy's value
+        self.live.pop(vid, None)
+        self.rebind(p, vid)
+
+    # --- running ---------------------------------------------------------------------------
+
+    def _execute(
+        self, needed: set[int], fetch: list[int], dynamic: set[int] = frozenset()
+    ) -> tuple[Plan, dict[str, dict]]:
+        with self._lock:
+            for vid in fetch:
+                if vid in self.failed:
+                    raise self.failed[vid]
+            self._collect_dead()
+            nodes = [self.graph.node(n) for n in sorted(needed)]
+            if not nodes and not fetch:
+                return Plan({}, [], [], [], {}), {}
+            for node in nodes:
+                for vid in node.inputs():
+                    if vid in self.failed:
+                        raise self.failed[vid]
+            placement = self.place(nodes, self.graph.values)
+            keep = self._keep(needed, nodes)
+            plan = split(nodes, placement, self.graph.values, keep, fetch, dynamic)
+            try:
+                replies = self._run_plan(plan)
+            except RemoteError as e:
+                self._forget_run(nodes, plan, keep, e)
+                raise
+            for node in nodes:
+                w = placement[node.id]
+                for vid in node.outputs:
+                    value = self.graph.values.get(vid)
+                    if value is not None:
+                        value.location, value.producer = w, None
+            self.graph.remove(needed)
+            for vid in plan.slots:
+                if vid not in keep:
+                    self.graph.values.pop(vid, None)
+            return plan, replies
+
+    def _keep(self, needed: set[int], nodes: list[Node]) -> set[int]:
+        """Values that must outlive this run: live pointers and inputs of later work."""
+        keep = set(self.live)
+        for nid in self.graph.dag.nodes:
+            if nid not in needed:
+                keep.update(self.graph.node(nid).inputs())
+        for node in nodes:
+            if node.returns == "":  # data-dependent: pointers are made after the run
+                keep.update(node.outputs)
+        return keep
+
+    def _forget_run(self, nodes: list[Node], plan: Plan, keep: set[int], error: RemoteError):
+        """After a failed run: its outputs are failed values, its nodes are gone."""
+        for node in nodes:
+            for vid in node.outputs:
+                if vid in self.graph.values:
+                    self.graph.values[vid].producer = None
+                    self.failed[vid] = error
+        self.graph.remove({n.id for n in nodes})
+        for vid in plan.slots:
+            value = self.graph.values.get(vid)
+            if vid not in keep and value is not None and value.location is not None:
+                self.frees[value.location].append(vid)
+
+    def _run_plan(self, plan: Plan) -> dict[str, dict]:
+        run = next(self._runs)
+        rids = {}
+        for worker, stages in plan.programs.items():
+            msg = {"kind": "run", "run": run, "program": stages, "slots": plan.slots,
+                   "params": plan.params}
+            rids[worker] = self._send(worker, msg)
+        replies = {w: self._wait(w, rid) for w, rid in rids.items()}
+        errors = [r["error"] for r in replies.values() if not r.get("ok")]
+        if errors:
+            root = next((e for e in errors if not e.get("upstream")), errors[0])
+            raise self._remote_error(root, plan)
+        return replies
+
+    def _remote_error(self, error: dict, plan: Plan) -> RemoteError:
+        where = "<unknown>"
+        slot = error.get("slot")
+        if isinstance(slot, int) and slot < len(plan.slots):
+            value = self.graph.values.get(plan.slots[slot])
+            if value is not None and value.producer is not None:
+                node = self.graph.node(value.producer) if value.producer in self.graph.dag else None
+                if node is not None:
+                    where = node.meta.get("where", where)
+        return RemoteError(str(error.get("worker")), str(error.get("op", "?")),
+                           str(error.get("message", "")), where,
+                           str(error.get("traceback", "")))
+
+    # --- requests --------------------------------------------------------------------------
+
+    def request(self, worker: str, msg: dict, counted: bool = True) -> dict:
+        """Send one request and wait for its reply; raises RemoteError on an error reply."""
+        reply = self._wait(worker, self._send(worker, msg, counted))
+        if not reply.get("ok"):
+            error = reply.get("error", {})
+            raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
+        return reply
+
+    def _send(self, worker: str, msg: dict, counted: bool = True) -> str:
+        rid = uuid.uuid4().hex
+        msg = {**msg, "id": rid, "reply_to": self.topic, "free": self.frees[worker]}
+        self.frees[worker] = []
+        self.transport.publish(worker_topic(worker), wire.encode(msg), counted)
+        return rid
+
+    def _wait(self, worker: str, rid: str) -> dict:
+        deadline = time.monotonic() + self.timeout
+        with self._cv:
+            while rid not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise GridError(f"worker {worker!r} did not answer within {self.timeout} s")
+                self._cv.wait(left)
+            return self._replies.pop(rid)
+
+    def _on_reply(self, sender: str, payload: bytes) -> None:
+        try:
+            msg = wire.decode(payload)
+        except wire.WireError:
+            return
+        if msg.get("kind") == "reply" and isinstance(msg.get("re"), str):
+            with self._cv:
+                self._replies[msg["re"]] = msg
+                self._cv.notify_all()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise GridError("this grid is closed")
+
+    def close(self) -> None:
+        """Free every tensor of this client on every worker."""
+        if self.closed:
+            return
+        for w in self.workers:
+            try:
+                self.request(w, {"kind": "bye"})
+            except GridError:
+                pass
+        self.closed = True
+        self.transport.close()
+
+
+def _meta(m: list) -> TensorMeta:
+    dtype, shape, stride, offset = m
+    return TensorMeta(tuple(shape), tuple(stride), offset, getattr(torch, dtype))

@@ -1,0 +1,183 @@
+"""`Grid`: what a user holds: the workers, sending tensors and models, stats, closing.
+
+`local_grid(n)` builds one in this process over a `LocalBus`; `connect()` (ipfs.py) builds
+one over Kubo. Both hand a `Client` and worker names to `Grid`; nothing above the transport
+differs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from gridgraph.errors import GridError
+from gridgraph.exec.client import Client
+from gridgraph.exec.transport import LocalBus
+from gridgraph.exec.wire import _DTYPES
+from gridgraph.exec.worker import Worker
+from gridgraph.trace.meta import TensorMeta
+from gridgraph.trace.pointer import RemoteTensor
+
+
+class WorkerRef:
+    """A worker of a grid, as the user names it: `grid.workers[0]`."""
+
+    def __init__(self, grid: Grid, name: str) -> None:
+        self.grid = grid
+        self.name = name
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed this worker's random ops (randn, dropout, ...)."""
+        if type(seed) is not int:
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.grid._check_open()
+        self.grid.client.request(self.name, {"kind": "seed", "seed": seed})
+
+    def __repr__(self) -> str:
+        return f"<worker {self.name}>"
+
+
+class Grid:
+    """A set of workers and this process's client on them. Use as a context manager."""
+
+    def __init__(self, client: Client, on_close: Callable[[], None] = lambda: None) -> None:
+        self.client = client
+        self.workers = [WorkerRef(self, name) for name in client.workers]
+        self._on_close = on_close
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, worker: WorkerRef) -> RemoteTensor:
+        """Store `tensor` on `worker`; returns the pointer (keeps `requires_grad`)."""
+        [p] = self.send_many([tensor], worker)
+        return p
+
+    def send_many(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
+        """Several tensors to one worker in one message."""
+        self._check_worker(worker)
+        for t in tensors:
+            check_sendable(t)
+        graph = self.client.graph
+        values = [graph.add_value(TensorMeta.of(t.detach().contiguous())) for t in tensors]
+        try:
+            self.client.request(worker.name, {
+                "kind": "put",
+                "values": [[v.id, t.detach().contiguous()] for v, t in zip(values, tensors)],
+            })  # fmt: skip
+        except Exception:
+            for v in values:
+                del graph.values[v.id]
+            raise
+        for v in values:
+            v.location = worker.name
+        return [self.client.make_pointer(v.id, t.requires_grad) for v, t in zip(values, tensors)]
+
+    def send_module(self, module: torch.nn.Module, worker: WorkerRef) -> torch.nn.Module:
+        """Replace `module`'s parameters and buffers by pointers on `worker` (in place)."""
+        self._check_worker(worker)
+        slots = [(m, kind, name, t) for m in module.modules()
+                 for kind, table in (("param", m._parameters), ("buffer", m._buffers))
+                 for name, t in table.items() if t is not None]  # fmt: skip
+        pointers = self.send_many([t for *_, t in slots], worker)
+        for (m, kind, name, t), p in zip(slots, pointers):
+            if kind == "param":
+                p._is_param = True  # what nn.Parameter does for tensor subclasses
+                m._parameters[name] = p
+            else:
+                m._buffers[name] = p
+        return module
+
+    def _check_worker(self, worker: object) -> None:
+        self._check_open()
+        if not isinstance(worker, WorkerRef):
+            raise TypeError(f"expected a worker (grid.workers[i]), got {type(worker).__name__}")
+        if worker.grid is not self:
+            raise GridError(f"{worker!r} belongs to another grid")
+
+    def _check_open(self) -> None:
+        if self.client.closed:
+            raise GridError("this grid is closed")
+
+    # --- stats -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Messages and bytes sent since the last reset, and what each worker holds now."""
+        self._check_open()
+        return self._stats(reset=False)
+
+    def reset_stats(self) -> None:
+        """Start counting messages and bytes (and ops run) from zero."""
+        self._check_open()
+        self._stats(reset=True)
+
+    def _stats(self, reset: bool) -> dict:
+        self.client._collect_dead()
+        per_worker = {}
+        messages = bytes_ = 0
+        for w in self.client.workers:
+            reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
+            per_worker[w] = {k: reply[k] for k in ("objects", "stored_bytes", "ops_run")}
+            messages += reply["messages"]
+            bytes_ += reply["bytes"]
+        sent = self.client.transport.sent
+        out = {"messages": messages + sent.messages, "bytes": bytes_ + sent.bytes,
+               "workers": per_worker}
+        if reset:
+            sent.reset()
+        return out
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed every worker's random ops with `seed`."""
+        for w in self.workers:
+            w.manual_seed(seed)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free this client's tensors on every worker and stop."""
+        if self.client.closed:
+            return
+        self.client.close()
+        self._on_close()
+
+    def __enter__(self) -> Grid:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.client.closed else "open"
+        return f"<Grid {state}: {', '.join(w.name for w in self.workers)}>"
+
+
+def check_sendable(t: object) -> None:
+    """Raise a clear error for anything that cannot be sent to a worker."""
+    if isinstance(t, RemoteTensor):
+        raise GridError("this tensor is already remote; use .move(worker) to move it")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise GridError(f"tensor on device {t.device}: workers take CPU tensors; call .cpu()")
+    if t.layout != torch.strided:
+        raise GridError(f"tensor with layout {t.layout} cannot be sent; use a dense tensor")
+    if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+        raise GridError(f"tensors of dtype {t.dtype} cannot be sent")
+
+
+def local_grid(n: int = 3) -> Grid:
+    """A grid of `n` in-process workers named w0, w1, ... (the embedded default)."""
+    if type(n) is not int or n < 1:
+        raise ValueError(f"a local grid needs at least one worker, got {n!r}")
+    bus = LocalBus()
+    names = [f"w{i}" for i in range(n)]
+    workers = [Worker(name, bus.endpoint(name)) for name in names]
+    client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names)
+
+    def stop_workers() -> None:
+        for w in workers:
+            w.close()
+
+    return Grid(client, on_close=stop_workers)

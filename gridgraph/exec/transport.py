@@ -1,0 +1,115 @@
+"""The transport boundary: publish bytes to a topic, subscribe a handler to a topic.
+
+Everything above this file (client, worker) talks only to `Transport`. There are two
+implementations: `LocalBus` here (in-process workers, the embedded default) and the Kubo
+PubSub transport in `ipfs_transport.py`. Delivery is best effort and unordered across topics;
+the layers above add message ids, acknowledgements and retries.
+
+A handler is called as `handler(sender, payload)`, where `sender` is the publishing
+endpoint's identity (a local name in-process, the libp2p peer ID on IPFS, where the
+signature makes it trustworthy). Handlers must return quickly: they only enqueue.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Handler = Callable[[str, bytes], None]
+
+
+@dataclass
+class TrafficCounter:
+    """Messages and bytes this endpoint has published since the last reset."""
+
+    messages: int = 0
+    bytes: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.messages += 1
+        self.bytes += nbytes
+
+    def reset(self) -> None:
+        self.messages = 0
+        self.bytes = 0
+
+
+class Transport(ABC):
+    """One endpoint on a publish/subscribe network."""
+
+    #: this endpoint's identity, as receivers see it in `sender`
+    identity: str
+
+    def __init__(self) -> None:
+        self.sent = TrafficCounter()
+
+    @abstractmethod
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        """Send `payload` to every subscriber of `topic` (best effort).
+
+        `counted=False` keeps the message out of `sent` (used for the stats exchange itself).
+        """
+
+    @abstractmethod
+    def subscribe(self, topic: str, handler: Handler) -> None:
+        """Call `handler(sender, payload)` for each message published to `topic`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop delivering and release what the endpoint holds."""
+
+
+class LocalBus:
+    """An in-process publish/subscribe network: topics map to handlers, delivery is a call."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, list[Handler]] = {}
+        self._lock = threading.Lock()
+
+    def endpoint(self, identity: str) -> LocalTransport:
+        return LocalTransport(self, identity)
+
+    def _subscribe(self, topic: str, handler: Handler) -> None:
+        with self._lock:
+            self._handlers.setdefault(topic, []).append(handler)
+
+    def _unsubscribe_all(self, handlers: list[tuple[str, Handler]]) -> None:
+        with self._lock:
+            for topic, handler in handlers:
+                if handler in self._handlers.get(topic, []):
+                    self._handlers[topic].remove(handler)
+
+    def _deliver(self, sender: str, topic: str, payload: bytes) -> None:
+        with self._lock:
+            handlers = list(self._handlers.get(topic, ()))
+        for handler in handlers:
+            handler(sender, payload)
+
+
+class LocalTransport(Transport):
+    """An endpoint on a `LocalBus`."""
+
+    def __init__(self, bus: LocalBus, identity: str) -> None:
+        super().__init__()
+        self.identity = identity
+        self._bus = bus
+        self._mine: list[tuple[str, Handler]] = []
+        self._closed = False
+
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        if self._closed:
+            raise RuntimeError(f"transport {self.identity!r} is closed")
+        if counted:
+            self.sent.add(len(payload))
+        self._bus._deliver(self.identity, topic, payload)
+
+    def subscribe(self, topic: str, handler: Handler) -> None:
+        self._mine.append((topic, handler))
+        self._bus._subscribe(topic, handler)
+
+    def close(self) -> None:
+        self._closed = True
+        self._bus._unsubscribe_all(self._mine)
+        self._mine.clear()

@@ -1,0 +1,149 @@
+"""The wire format: msgpack envelopes, tensors as dtype + shape + raw bytes.
+
+Nothing received is unpickled, evaluated or imported. Every non-msgpack value travels as an
+extension type that decodes to a plain value from a fixed table:
+
+    1 Slot(k)      2 Param(k)     3 tensor      4 dtype     5 device ("cpu" only)
+    6 memory format / layout      7 complex
+
+A tensor is `[dtype name, shape, bytes]`; the receiver checks that the byte count matches
+the shape and dtype before building it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+
+from gridgraph.schedule.plan import Param, Slot
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
+        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.bool,
+    )
+}  # fmt: skip
+_ENUMS = {
+    str(v).removeprefix("torch."): v
+    for v in (
+        torch.contiguous_format, torch.channels_last, torch.preserve_format,
+        torch.channels_last_3d, torch.strided,
+    )
+}  # fmt: skip
+
+
+class WireError(ValueError):
+    """A message that does not decode to a valid gridgraph message."""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def pack_tensor(t: torch.Tensor) -> list:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise WireError(f"dtype {t.dtype} cannot be sent")
+    return [name, list(t.shape), tensor_bytes(t)]
+
+
+def unpack_tensor(obj: Any) -> torch.Tensor:
+    try:
+        name, shape, data = obj
+    except (TypeError, ValueError):
+        raise WireError("a tensor must be [dtype, shape, bytes]") from None
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise WireError(f"unknown dtype {name!r}")
+    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+        raise WireError(f"bad shape {shape!r}")
+    if not isinstance(data, bytes):
+        raise WireError("tensor data must be bytes")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel * dtype.itemsize != len(data):
+        raise WireError(
+            f"tensor of shape {shape} and dtype {name} needs {numel * dtype.itemsize} bytes, "
+            f"got {len(data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    # bytearray: a writable buffer, so later in-place ops on the tensor are safe.
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+
+def _default(obj: Any) -> Any:
+    if type(obj) is Slot:
+        return msgpack.ExtType(1, msgpack.packb(obj.index))
+    if type(obj) is Param:
+        return msgpack.ExtType(2, msgpack.packb(obj.index))
+    if isinstance(obj, torch.Tensor):
+        return msgpack.ExtType(3, msgpack.packb(pack_tensor(obj)))
+    if isinstance(obj, torch.dtype):
+        return msgpack.ExtType(4, str(obj).removeprefix("torch.").encode())
+    if isinstance(obj, torch.device):
+        return msgpack.ExtType(5, obj.type.encode())
+    if isinstance(obj, (torch.memory_format, torch.layout)):
+        return msgpack.ExtType(6, str(obj).removeprefix("torch.").encode())
+    if isinstance(obj, complex):
+        return msgpack.ExtType(7, msgpack.packb([obj.real, obj.imag]))
+    raise WireError(f"cannot send a value of type {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == 1:
+        return Slot(_int(data))
+    if code == 2:
+        return Param(_int(data))
+    if code == 3:
+        return unpack_tensor(msgpack.unpackb(data))
+    if code == 4:
+        dtype = _DTYPES.get(data.decode(errors="replace"))
+        if dtype is None:
+            raise WireError(f"unknown dtype {data!r}")
+        return dtype
+    if code == 5:
+        if data != b"cpu":
+            raise WireError(f"unsupported device {data!r}")
+        return torch.device("cpu")
+    if code == 6:
+        value = _ENUMS.get(data.decode(errors="replace"))
+        if value is None:
+            raise WireError(f"unknown memory format or layout {data!r}")
+        return value
+    if code == 7:
+        re, im = msgpack.unpackb(data)
+        return complex(float(re), float(im))
+    raise WireError(f"unknown extension type {code}")
+
+
+def _int(data: bytes) -> int:
+    v = msgpack.unpackb(data)
+    if type(v) is not int or v < 0:
+        raise WireError("a slot or parameter index must be a non-negative int")
+    return v
+
+
+def encode(message: dict) -> bytes:
+    """A message (a dict of plain values, tensors, slots ...) as bytes."""
+    return msgpack.packb(message, default=_default, use_bin_type=True)
+
+
+def decode(payload: bytes) -> dict:
+    """Bytes back into a message; raises WireError for anything malformed."""
+    try:
+        msg = msgpack.unpackb(payload, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise WireError(f"undecodable message: {e}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
+        raise WireError("a message must be a map with a 'kind'")
+    return msg

@@ -1,0 +1,424 @@
+"""The worker runtime: receives programs, runs them on its ObjectStore, replies.
+
+State, all owned by the worker:
+    store      tensors by (client, value id)
+    inbox      values other workers sent for a run, by (client, run, value id)
+    replies    the last replies sent, by request id, so a retried request is answered again
+               and never run twice
+    rng        its own random stream
+
+Threads: the transport calls `on_message` (which only decodes and enqueues); one execution
+thread takes requests in order and runs them. `recv` steps wait on the inbox, which the
+transport fills directly, so a worker blocked in a recv still receives.
+
+Every request is checked before anything runs: an undecodable, unknown or refused message
+gets an error reply when it names a reply topic, is logged, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gridgraph.exec import wire
+from gridgraph.exec.ops import OpRefused, RandomState, resolve
+from gridgraph.exec.store import ObjectStore
+from gridgraph.exec.transport import Transport
+from gridgraph.schedule.plan import Param, Slot
+
+log = logging.getLogger("gridgraph.worker")
+
+DISCOVERY_TOPIC = "gridgraph.discovery"
+
+
+def worker_topic(name: str) -> str:
+    return f"gridgraph.worker.{name}"
+
+
+class RequestError(Exception):
+    """A request that cannot be served; its message goes back to the sender."""
+
+
+class UpstreamFailed(Exception):
+    """A value this worker waited for was never computed because its producer failed."""
+
+
+class Worker:
+    """A gridgraph worker on one transport endpoint."""
+
+    def __init__(
+        self,
+        name: str,
+        transport: Transport,
+        *,
+        recv_timeout: float = 120.0,
+        peer_identity: Callable[[str], str | None] | None = None,
+    ) -> None:
+        self.name = name
+        self.transport = transport
+        self.store = ObjectStore()
+        self.rng = RandomState()
+        self.recv_timeout = recv_timeout
+        # Maps a worker name to its transport identity, to check who sent a transfer.
+        self.peer_identity = peer_identity or (lambda n: n)
+        self.ops_run = 0
+        self._inbox: dict[tuple[str, int, int], Any] = {}
+        self._inbox_cv = threading.Condition()
+        self._queue: queue.Queue = queue.Queue()
+        self._replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._last_seen: dict[str, float] = {}  # client identity -> time of last request
+        self._closed = False
+        self._handlers = {
+            "put": self._put,
+            "run": self._run,
+            "free": self._free,
+            "stats": self._stats,
+            "seed": self._seed,
+            "bye": self._bye,
+            "ping": lambda client, msg: {},
+        }
+        transport.subscribe(worker_topic(name), self.on_message)
+        self._thread = threading.Thread(target=self._loop, name=f"worker-{name}", daemon=True)
+        self._thread.start()
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def on_message(self, sender: str, payload: bytes) -> None:
+        try:
+            msg = wire.decode(payload)
+        except wire.WireError as e:
+            log.warning("%s: dropped a malformed message from %s: %s", self.name, sender, e)
+            return
+        if msg["kind"] == "transfer":
+            self._accept_transfer(sender, msg)
+        else:
+            self._queue.put((sender, msg))
+
+    def _accept_transfer(self, sender: str, msg: dict) -> None:
+        try:
+            key = (str(msg["client"]), int(msg["run"]), int(msg["value"]))
+            src = str(msg["src"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
+            return
+        if self.peer_identity(src) != sender:
+            log.warning("%s: dropped a transfer claiming to come from %s", self.name, src)
+            return
+        with self._inbox_cv:
+            self._inbox[key] = msg.get("tensor") if msg.get("error") is None else msg
+            self._inbox_cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            sender, msg = item
+            try:
+                self._serve(sender, msg)
+            except Exception:  # a bug must not take the worker down
+                log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
+
+    def _serve(self, client: str, msg: dict) -> None:
+        rid = msg.get("id")
+        reply_to = msg.get("reply_to")
+        if not isinstance(reply_to, str) or not isinstance(rid, str):
+            log.warning("%s: dropped a %r request without id or reply_to", self.name,
+                        msg["kind"])
+            return
+        cached = self._replies.get((client, rid))
+        if cached is not None:  # a retry: answer again, never run twice
+            self.transport.publish(reply_to, cached, counted=msg["kind"] != "stats")
+            return
+        self._last_seen[client] = time.monotonic()
+        handler = self._handlers.get(msg["kind"])
+        try:
+            if handler is None:
+                raise RequestError(f"unknown request kind {msg['kind']!r}")
+            self._free_ids(client, msg.get("free", ()))
+            body = {"ok": True, **handler(client, msg)}
+        except (RequestError, wire.WireError, OpRefused) as e:
+            log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"],
+                        client, e)
+            body = {"ok": False, "error": {"worker": self.name, "message": str(e)}}
+        reply = wire.encode({"kind": "reply", "re": rid, "worker": self.name, **body})
+        self._replies[(client, rid)] = reply
+        while len(self._replies) > 256:
+            self._replies.popitem(last=False)
+        self.transport.publish(reply_to, reply, counted=msg["kind"] != "stats")
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _put(self, client: str, msg: dict) -> dict:
+        values = _list(msg, "values")
+        checked = []
+        for item in values:
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
+                    and isinstance(item[1], torch.Tensor)):
+                raise RequestError("put values must be [value id, tensor] pairs")
+            checked.append(item)
+        for vid, tensor in checked:
+            self.store.put(client, vid, tensor)
+        return {}
+
+    def _free(self, client: str, msg: dict) -> dict:
+        return {}
+
+    def _free_ids(self, client: str, ids: Any) -> None:
+        if not isinstance(ids, list) or not all(type(v) is int for v in ids):
+            raise RequestError("'free' must be a list of value ids")
+        for vid in ids:
+            self.store.free(client, vid)
+
+    def _seed(self, client: str, msg: dict) -> dict:
+        seed = msg.get("seed")
+        if type(seed) is not int:
+            raise RequestError("seed must be an int")
+        self.rng.manual_seed(seed)
+        return {}
+
+    def _stats(self, client: str, msg: dict) -> dict:
+        sent = self.transport.sent
+        out = {
+            "objects": len(self.store),
+            "stored_bytes": self.store.stored_bytes(),
+            "ops_run": self.ops_run,
+            "messages": sent.messages,
+            "bytes": sent.bytes,
+        }
+        if msg.get("reset"):
+            sent.reset()
+            self.ops_run = 0
+        return out
+
+    def _bye(self, client: str, msg: dict) -> dict:
+        n = self.store.free_client(client)
+        self._last_seen.pop(client, None)
+        log.info("%s: client %s left, freed %d tensors", self.name, client, n)
+        return {"freed": n}
+
+    def expire_clients(self, lease: float) -> None:
+        """Free the tensors of clients silent for longer than `lease` seconds."""
+        now = time.monotonic()
+        for client in self.store.clients():
+            seen = self._last_seen.setdefault(client, now)
+            if now - seen > lease:
+                n = self.store.free_client(client)
+                del self._last_seen[client]
+                log.info("%s: lease of client %s expired, freed %d tensors", self.name, client, n)
+
+    # --- running a program -----------------------------------------------------------------
+
+    def _run(self, client: str, msg: dict) -> dict:
+        run = msg.get("run")
+        stages = msg.get("program")
+        slots = msg.get("slots")
+        params = msg.get("params")
+        if type(run) is not int or not isinstance(stages, list) or not isinstance(slots, list):
+            raise RequestError("a run needs 'run', 'program' and 'slots'")
+        if not all(type(v) is int for v in slots) or not isinstance(params, list):
+            raise RequestError("slots must be value ids and params a list")
+        steps = [step for stage in stages if isinstance(stage, list) for step in stage]
+        for step in steps:  # check the whole program before running any of it
+            _check_step(step, len(slots), len(params))
+        return _Run(self, client, run, slots, params).execute(steps)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        self.transport.close()
+        self._thread.join(timeout=5)
+
+
+class _Run:
+    """One program's execution on one worker."""
+
+    def __init__(self, worker: Worker, client: str, run: int, slots: list, params: list):
+        self.w = worker
+        self.client = client
+        self.run = run
+        self.slots = slots
+        self.params = params
+        self.created: list[int] = []  # value ids this run stored, undone on failure
+
+    def value(self, slot: int) -> torch.Tensor:
+        return self.w.store.get(self.client, self.slots[slot])
+
+    def arg(self, a: Any) -> Any:
+        t = type(a)
+        if t is Slot:
+            return self.value(a.index)
+        if t is Param:
+            return self.params[a.index]
+        if t is list:
+            return [self.arg(x) for x in a]
+        return a
+
+    def store(self, slot: int, tensor: torch.Tensor) -> None:
+        vid = self.slots[slot]
+        self.w.store.put(self.client, vid, tensor)
+        self.created.append(vid)
+
+    def execute(self, steps: list) -> dict:
+        returns, dynamic = [], []
+        for i, step in enumerate(steps):
+            try:
+                kind = step[0]
+                if kind == "call":
+                    report = self.call(step)
+                    if report is not None:
+                        dynamic.append(report)
+                elif kind == "send":
+                    self.send(step[1], step[2])
+                elif kind == "recv":
+                    self.recv(step[1], step[2])
+                elif kind == "free":
+                    self.w.store.free(self.client, self.slots[step[1]])
+                elif kind == "return":
+                    returns.append([step[1], self.value(step[1])])
+            except Exception as e:
+                return self.fail(steps, i, e)
+        return {"returns": returns, "dynamic": dynamic}
+
+    def call(self, step: list) -> list | None:
+        _, name, args, kwargs, outs, writes, report = step
+        op = resolve(name)
+        resolved = [self.arg(a) for a in args]
+        kw = {k: self.arg(v) for k, v in kwargs.items()}
+        with torch.no_grad():
+            result = self.w.rng.call(op, resolved, kw)
+        self.w.ops_run += 1
+        if isinstance(result, torch.Tensor):
+            tensors, kind = [result], "tensor"
+        elif isinstance(result, (tuple, list)) and all(
+            isinstance(r, torch.Tensor) for r in result
+        ):
+            tensors, kind = list(result), ("tuple" if isinstance(result, tuple) else "list")
+        elif result is None:
+            tensors, kind = [], "none"
+        else:
+            if not report:
+                raise TypeError(f"{name} returned {type(result).__name__}, not tensors")
+            return [outs[0], "none", [], [result]]
+        n_returns = len(outs) - len(writes)
+        if len(tensors) > n_returns:
+            raise RuntimeError(f"{name} returned {len(tensors)} tensors, expected {n_returns}")
+        for slot, t in zip(outs, tensors):
+            self.store(slot, t)
+        for path, slot in writes:
+            self.store(slot, _at_path(resolved, kw, path))
+        if report:
+            metas = [[str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
+                      t.storage_offset()] for t in tensors]
+            return [outs[0], kind, metas, []]
+        return None
+
+    def send(self, slot: int, dst: str) -> None:
+        msg = {"kind": "transfer", "client": self.client, "run": self.run,
+               "value": self.slots[slot], "src": self.w.name, "tensor": self.value(slot)}
+        self.w.transport.publish(worker_topic(dst), wire.encode(msg))
+
+    def recv(self, slot: int, src: str) -> None:
+        vid = self.slots[slot]
+        key = (self.client, self.run, vid)
+        deadline = time.monotonic() + self.w.recv_timeout
+        with self.w._inbox_cv:
+            while key not in self.w._inbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
+                self.w._inbox_cv.wait(left)
+            got = self.w._inbox.pop(key)
+        if isinstance(got, dict):
+            raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
+        if not isinstance(got, torch.Tensor):
+            raise wire.WireError(f"transfer of %{vid} from {src} carried no tensor")
+        self.store(slot, got)
+
+    def fail(self, steps: list, index: int, error: Exception) -> dict:
+        """Report the failure, tell waiting workers, and undo what this run stored."""
+        step = steps[index]
+        for later in steps[index:]:
+            if later[0] == "send":
+                msg = {"kind": "transfer", "client": self.client, "run": self.run,
+                       "value": self.slots[later[1]], "src": self.w.name,
+                       "error": f"failed on {self.w.name}"}
+                self.w.transport.publish(worker_topic(later[2]), wire.encode(msg))
+        for vid in self.created:
+            self.w.store.free(self.client, vid)
+        upstream = isinstance(error, UpstreamFailed)
+        if not upstream:
+            log.warning("%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else
+                        step[0], error)
+        tb = traceback.format_exception_only(type(error), error)
+        frames = traceback.extract_tb(error.__traceback__)[-3:]
+        return {
+            "ok": False,
+            "error": {
+                "worker": self.w.name,
+                "op": step[1] if step[0] == "call" else step[0],
+                "slot": step[4][0] if step[0] == "call" and step[4] else None,
+                "message": "".join(tb).strip(),
+                "traceback": "".join(traceback.format_list(frames)),
+                "upstream": upstream,
+            },
+        }
+
+
+def _at_path(args: list, kwargs: dict, path: Any) -> Any:
+    if isinstance(path, list):  # (argument, index in a tensor list)
+        return _at_path(args, kwargs, path[0])[path[1]]
+    return args[path] if type(path) is int else kwargs[path]
+
+
+def _list(msg: dict, key: str) -> list:
+    v = msg.get(key)
+    if not isinstance(v, list):
+        raise RequestError(f"{key!r} must be a list")
+    return v
+
+
+def _check_step(step: Any, n_slots: int, n_params: int) -> None:
+    """Reject a malformed step before any step of its program runs."""
+    if not isinstance(step, list) or not step or not isinstance(step[0], str):
+        raise RequestError(f"malformed step {step!r:.80}")
+    kind = step[0]
+    if kind == "call":
+        if len(step) != 7 or not isinstance(step[2], list) or not isinstance(step[3], dict):
+            raise RequestError("a call step is [call, op, args, kwargs, outs, writes, report]")
+        resolve(step[1])
+        found: list[Any] = []
+        _refs(step[2], found)
+        _refs(list(step[3].values()), found)
+        for ref in found:
+            limit = n_slots if type(ref) is Slot else n_params
+            if ref.index >= limit:
+                raise RequestError(f"step refers to {ref!r}, beyond the program's values")
+        if not all(type(s) is int and 0 <= s < n_slots for s in step[4]):
+            raise RequestError("call outputs must be slots")
+    elif kind in ("send", "recv"):
+        if len(step) != 3 or type(step[1]) is not int or not isinstance(step[2], str):
+            raise RequestError(f"a {kind} step is [{kind}, slot, worker]")
+        if not 0 <= step[1] < n_slots:
+            raise RequestError(f"{kind} of slot {step[1]} beyond the program's values")
+    elif kind in ("free", "return"):
+        if len(step) != 2 or type(step[1]) is not int or not 0 <= step[1] < n_slots:
+            raise RequestError(f"a {kind} step is [{kind}, slot]")
+    else:
+        raise RequestError(f"unknown step kind {kind!r}")
+
+
+def _refs(obj: list, out: list) -> None:
+    for a in obj:
+        if type(a) in (Slot, Param):
+            out.append(a)
+        elif isinstance(a, list):
+            _refs(a, out)

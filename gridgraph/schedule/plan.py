@@ -1,0 +1,254 @@
+"""Split a placed graph into per-worker programs: the `Plan` workers run.
+
+A worker's program is a list of steps in one global topological order (recording order):
+
+    call  op(args) -> outs     run an ATen op on values it holds
+    send  value -> worker      push a value straight to another worker (never via the client)
+    recv  value <- worker      wait for such a value
+    free  value                drop a value after its last use here
+    return value               send a value back to the client with the reply
+
+Because every worker follows the same global order, a `recv` always waits for a `send` that
+comes earlier in that order, so the programs cannot deadlock. A send is emitted at the
+position of its consumer, after everything recorded before it: that is what keeps a value
+that is written later from being sent too late or too early.
+
+Steps are grouped into stages: a worker's stage grows by one exactly where it needs a value
+from another worker. A worker receives all its stages in one message and moves on to the next
+stage as soon as the transfers it needs arrive, with no round trip to the client between.
+
+Programs name values by slot (an index into `Plan.slots`) and Python floats and local tensors
+by parameter (an index into `Plan.params`), so a cached plan is reused with new ids and
+values, see `cache.py`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from gridgraph.trace.graph import Const, Node, Ref, Value
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A value in a program, by its index in `Plan.slots`."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A per-run parameter (a Python float or a local tensor), by index in `Plan.params`."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class TransferEdge:
+    """A value moved from one worker to another during a run."""
+
+    value: int
+    src: str
+    dst: str
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    """What each worker does in one run, grouped into stages; plain data."""
+
+    programs: dict[str, list[list[tuple]]]  # worker -> stages -> steps
+    slots: list[int]  # value id of each slot
+    params: list[Any]  # float or local tensor of each parameter
+    transfers: list[TransferEdge]
+    placement: dict[int, str]  # node id -> worker
+    dynamic: dict[int, int] = field(default_factory=dict)  # node id -> call step's slot base
+
+    @property
+    def n_stages(self) -> int:
+        return max((len(stages) for stages in self.programs.values()), default=0)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(t.nbytes for t in self.transfers)
+
+    def __str__(self) -> str:
+        lines = []
+        for worker in sorted(self.programs):
+            for s, steps in enumerate(self.programs[worker]):
+                if steps:
+                    lines.append(f"{worker} stage {s}:")
+                    lines.extend(f"  {_show_step(step)}" for step in steps)
+        return "\n".join(lines)
+
+
+def _show_step(step: tuple) -> str:
+    kind = step[0]
+    if kind == "call":
+        _, op, args, kwargs, outs, _, _ = step
+        shown = ", ".join(_show_arg(a) for a in args)
+        kw = "".join(f", {k}={_show_arg(v)}" for k, v in kwargs.items())
+        return f"{', '.join(f'%{o}' for o in outs)} = {op}({shown}{kw})"
+    if kind in ("send", "recv"):
+        arrow = "->" if kind == "send" else "<-"
+        return f"{kind} %{step[1]} {arrow} {step[2]}"
+    return f"{kind} %{step[1]}"
+
+
+def _show_arg(a: Any) -> str:
+    if type(a) is Slot:
+        return f"%{a.index}"
+    if type(a) is Param:
+        return f"${a.index}"
+    if isinstance(a, list):
+        return "[" + ", ".join(_show_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+class _Builder:
+    """Turns ids into slots and floats / local tensors into parameters while splitting."""
+
+    def __init__(self) -> None:
+        self.slot_of: dict[int, int] = {}
+        self.slots: list[int] = []
+        self.params: list[Any] = []
+
+    def slot(self, vid: int) -> int:
+        s = self.slot_of.get(vid)
+        if s is None:
+            s = self.slot_of[vid] = len(self.slots)
+            self.slots.append(vid)
+        return s
+
+    def template(self, a: Any) -> Any:
+        if type(a) is Ref:
+            return Slot(self.slot(a.value))
+        if type(a) is Const:
+            self.params.append(a.tensor)
+            return Param(len(self.params) - 1)
+        if type(a) is float:
+            self.params.append(a)
+            return Param(len(self.params) - 1)
+        if isinstance(a, list):
+            return [self.template(x) for x in a]
+        return a
+
+
+def split(
+    nodes: list[Node],
+    placement: dict[int, str],
+    values: dict[int, Value],
+    keep: set[int],
+    fetch: list[int] = (),
+    dynamic: set[int] = frozenset(),
+) -> Plan:
+    """Per-worker programs for `nodes` (in recording order) placed by `placement`.
+
+    `keep`: value ids that must survive the run (everything else is freed after its last
+    use); `fetch`: value ids returned to the client; `dynamic`: ids of data-dependent nodes,
+    whose result metadata the worker reports.
+    """
+    b = _Builder()
+    home: dict[int, str] = {}  # value id -> worker that owns it after the run
+    present: dict[str, set[int]] = defaultdict(set)  # values on each worker, copies included
+    stage: dict[str, int] = defaultdict(int)  # each worker's current stage
+    programs: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    transfers: list[TransferEdge] = []
+
+    def where(vid: int) -> str:
+        if vid in home:
+            return home[vid]
+        location = values[vid].location
+        if location is None:
+            raise ValueError(f"value %{vid} is neither computed nor produced in this run")
+        home[vid] = location
+        present[location].add(vid)
+        return location
+
+    dynamic_slots: dict[int, int] = {}
+    for node in nodes:
+        w = placement[node.id]
+        s = stage[w]
+        recvs = []
+        for vid in dict.fromkeys(node.inputs()):
+            src = where(vid)
+            if vid in present[w]:
+                continue
+            # Send at the consumer's position in the global order (see module docstring).
+            s_src = stage[src]
+            programs[src][s_src].append(("send", b.slot(vid), w))
+            transfers.append(TransferEdge(vid, src, w, _nbytes(values, vid)))
+            present[w].add(vid)
+            recvs.append(("recv", b.slot(vid), src))
+            s = max(s, s_src + 1)
+        stage[w] = s
+        programs[w][s].extend(recvs)
+        outs = [b.slot(v) for v in node.outputs]
+        writes = [(path, b.slot(vid)) for path, vid in node.writes]
+        args = b.template(list(node.args))
+        kwargs = {k: b.template(v) for k, v in node.kwargs.items()}
+        report = node.id in dynamic
+        if report:
+            dynamic_slots[node.id] = outs[0]
+        programs[w][s].append(("call", node.name, args, kwargs, outs, writes, report))
+        for v in node.outputs:
+            home[v] = w
+            present[w].add(v)
+
+    for vid in fetch:
+        w = where(vid)
+        programs[w][stage[w]].append(("return", b.slot(vid)))
+
+    stage_lists = {w: [by_stage.get(i, []) for i in range(stage[w] + 1)]
+                   for w, by_stage in programs.items()}
+    for w, stages in stage_lists.items():
+        # Copies received from other workers, and whatever no one needs after the run.
+        drop = {v for v in present[w] if home.get(v) != w or v not in keep}
+        _insert_frees(stages, drop, b)
+    return Plan(stage_lists, b.slots, b.params, transfers, dict(placement), dynamic_slots)
+
+
+def _nbytes(values: dict[int, Value], vid: int) -> int:
+    value = values.get(vid)
+    return value.meta.nbytes if value is not None else 0
+
+
+def _insert_frees(stages: list[list[tuple]], drop: set[int], b: _Builder) -> None:
+    """Add a `free` step after the last use of each dropped value on this worker."""
+    drop_slots = {b.slot_of[v] for v in drop if v in b.slot_of}
+    last: dict[int, tuple[int, int]] = {}
+    for si, steps in enumerate(stages):
+        for i, step in enumerate(steps):
+            for slot in _slots_used(step):
+                if slot in drop_slots:
+                    last[slot] = (si, i)
+    after: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for slot, pos in last.items():
+        after[pos].append(slot)
+    for si, steps in enumerate(stages):
+        out = []
+        for i, step in enumerate(steps):
+            out.append(step)
+            out.extend(("free", slot) for slot in sorted(after.get((si, i), ())))
+        stages[si] = out
+
+
+def _slots_used(step: tuple) -> list[int]:
+    kind = step[0]
+    if kind == "call":
+        found: list[int] = []
+        _slots_in(step[2], found)
+        _slots_in(list(step[3].values()), found)
+        found.extend(step[4])
+        return found
+    return [step[1]]
+
+
+def _slots_in(obj: Any, out: list[int]) -> None:
+    for a in obj:
+        if type(a) is Slot:
+            out.append(a.index)
+        elif isinstance(a, list):
+            _slots_in(a, out)

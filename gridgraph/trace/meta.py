@@ -1,0 +1,88 @@
+"""Tensor metadata and shape inference on the meta device.
+
+Recording an op must tell the user the shape, strides and dtype of its result without running
+it. We run the op on meta tensors (PyTorch's shape-only device) once per distinct
+(op, argument metadata) and cache what comes out, so recording a training step for the second
+time costs a dictionary look-up per op.
+
+Ops whose output shape depends on the data (nonzero, unique, masked_select, ...) have no meta
+kernel; `infer` raises `DataDependent` for them and the recorder runs them for real.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class TensorMeta(NamedTuple):
+    """What the client knows about a remote tensor: everything but its values."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorMeta:
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    def on_meta(self) -> torch.Tensor:
+        """A meta tensor with exactly this layout (strides and storage offset included)."""
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride) if s > 0)
+        if 0 in self.shape:
+            extent = 0
+        base = torch.empty(self.offset + extent, dtype=self.dtype, device="meta")
+        return base.as_strided(self.shape, self.stride, self.offset)
+
+
+class DataDependent(Exception):
+    """The op's output metadata depends on the input values; it must run to be known."""
+
+
+class OutputSpec(NamedTuple):
+    """The structure of an op's result: `kind` is 'tensor', 'tuple', 'list' or 'none'."""
+
+    kind: str
+    metas: tuple[TensorMeta, ...]
+
+
+_cache: dict[Any, OutputSpec] = {}
+
+
+def infer(op: torch._ops.OpOverload, key: Any, make_args) -> OutputSpec:
+    """Output metadata of `op`; `key` identifies the inputs' metadata, `make_args()` builds
+    (args, kwargs) on the meta device on a cache miss."""
+    spec = _cache.get(key)
+    if spec is not None:
+        return spec
+    args, kwargs = make_args()
+    try:
+        out = op(*args, **kwargs)
+    except NotImplementedError as e:
+        # No meta kernel: nonzero, masked_select, unique, boolean indexing, equal, ...
+        # (A wrong shape raises RuntimeError instead, which goes to the user as it is.)
+        raise DataDependent(str(e)) from e
+    spec = _spec_of(out)
+    _cache[key] = spec
+    return spec
+
+
+def _spec_of(out: Any) -> OutputSpec:
+    if isinstance(out, torch.Tensor):
+        return OutputSpec("tensor", (TensorMeta.of(out),))
+    if out is None:
+        return OutputSpec("none", ())
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        kind = "tuple" if isinstance(out, tuple) else "list"
+        return OutputSpec(kind, tuple(TensorMeta.of(o) for o in out))
+    # A Python value (bool, int, ...) is data: the op must run for real.
+    raise DataDependent(f"returns {type(out).__name__}")

@@ -1,0 +1,95 @@
+"""`RemoteTensor`: a pointer to a tensor on a worker, usable as a torch.Tensor.
+
+It is a wrapper subclass: it carries shape, strides and dtype but no data, and every ATen
+call on it is recorded (`record.py`). Autograd runs above it unchanged, so `requires_grad`,
+`.backward()`, `.grad` and `torch.optim` work on pointers as on local tensors.
+
+A pointer names one value id at a time. An in-place op rebinds it to the value that op
+produces (the same storage on the worker), which is how `x.add_(1)` keeps `x` meaning "the
+latest contents of x".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gridgraph.trace.meta import TensorMeta
+from gridgraph.trace.record import record
+
+
+class RemoteTensor(torch.Tensor):
+    """A torch.Tensor whose data lives on a worker; ops on it are recorded, not run."""
+
+    _owner: Any  # the client that holds this pointer (gridgraph.exec.client.Client)
+    _vid: int  # the value it names now
+
+    @staticmethod
+    def __new__(cls, owner: Any, value_id: int, meta: TensorMeta, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride,
+            storage_offset=meta.offset,
+            dtype=meta.dtype,
+            device="cpu",
+            requires_grad=requires_grad,
+        )
+        t._owner = owner
+        t._vid = value_id
+        return t
+
+    # Dispatch-level only: no __torch_function__ overhead, no subclass wrapping above ATen.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return record(func, args, kwargs or {}, RemoteTensor)
+
+    # --- what users call ---------------------------------------------------------------------
+
+    def compute(self) -> RemoteTensor:
+        """Run what this pointer needs on the workers; the result stays remote."""
+        self._owner.compute([self])
+        return self
+
+    def get(self) -> torch.Tensor:
+        """The value as a plain local tensor (runs what it needs first)."""
+        return self._owner.fetch(self._vid)
+
+    @property
+    def location(self) -> str | None:
+        """Name of the worker holding this value, or None while it is not computed."""
+        return self._owner.location_of(self._vid)
+
+    @property
+    def computed(self) -> bool:
+        return self.location is not None
+
+    def move(self, worker: Any) -> RemoteTensor:
+        """Move this (computed) value to another worker of the same grid; returns self."""
+        self._owner.move(self, worker)
+        return self
+
+    def tolist(self) -> Any:
+        return self.get().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return self.get().numpy(force=force)
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0 and spec:
+            return format(self.item(), spec)
+        return repr(self)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        where = self.location
+        state = f"location={where!r}, computed=True" if where else "computed=False"
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"RemoteTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {state}{grad})"
+        )
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError("a RemoteTensor cannot be pickled; call .get() for its value")

@@ -1,0 +1,373 @@
+"""Recording: turn one ATen call on remote tensors into a graph `Node`.
+
+`RemoteTensor.__torch_dispatch__` sends every call here. Because we sit below autograd and
+below the Python API, tensor methods, torch functions, nn.Module code and the backward pass
+all arrive as plain ATen calls and need no per-op code.
+
+For each call we
+1. build the argument template (remote tensors become `Ref`, local tensors `Const`) and a
+   hashable key of the inputs' metadata, in one walk;
+2. infer the output metadata on the meta device (cached by that key);
+3. read the op's schema for aliasing: a returned view shares its input's storage, an
+   in-place result or a written argument becomes a new version of the tensor it wrote,
+   and the user's pointer is rebound to that version;
+4. hand the node to the pointer's owner (the client), which runs it at once outside
+   `trace()` and defers it inside.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from contextlib import contextmanager
+from functools import cache
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from gridgraph.trace.graph import Const, Graph, Node, Ref
+from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
+
+if TYPE_CHECKING:
+    from gridgraph.trace.pointer import RemoteTensor
+
+aten = torch.ops.aten
+
+
+class Owner(Protocol):
+    """What recording needs from the runtime that owns the pointers (the client)."""
+
+    graph: Graph
+
+    def record(self, node: Node, eager: bool) -> None: ...
+
+    def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]: ...
+
+    def fetch(self, value_id: int) -> torch.Tensor: ...
+
+    def make_pointer(self, value_id: int) -> RemoteTensor: ...
+
+    def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
+
+
+# --- trace() -----------------------------------------------------------------------------
+
+_state = threading.local()
+
+
+def tracing() -> bool:
+    """True inside a `trace()` block on this thread."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextmanager
+def trace():
+    """Record torch calls on pointers without running them until a result is needed.
+
+    >>> with gg.trace():
+    ...     y = torch.relu(x @ W).sum(1)   # nothing runs yet
+    >>> y.compute()                         # one batch per worker per stage
+    """
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def pinned() -> str | None:
+    """The worker name ops recorded now are pinned to (innermost `on` block), if any."""
+    stack = getattr(_state, "pins", None)
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def on(worker_name: str):
+    """Place every op recorded in the block on the named worker."""
+    stack = _state.__dict__.setdefault("pins", [])
+    stack.append(worker_name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+# --- where the user recorded an op ---------------------------------------------------------
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.dirname(m.__file__)) + os.sep
+    for m in (sys.modules["gridgraph"], torch)
+    if getattr(m, "__file__", None)
+)
+_SKIP = ("<frozen", "<string>")
+
+
+def user_frame() -> str:
+    """file:line of the innermost frame outside gridgraph and torch."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_LIBRARY_DIRS) and not fn.startswith(_SKIP):
+            return f"{fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
+
+
+# --- the schema's aliasing, once per op ----------------------------------------------------
+
+
+class Aliasing:
+    """Per op: which argument each return aliases, and which arguments it writes."""
+
+    def __init__(self, op: torch._ops.OpOverload) -> None:
+        schema = op._schema
+        self.arg_names = [a.name for a in schema.arguments]
+        self.positional = [not a.kwarg_only for a in schema.arguments]
+        owner_of_set: dict[str, int] = {}
+        written: list[int] = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None:
+                for s in a.alias_info.before_set:
+                    owner_of_set[s] = i
+                if a.alias_info.is_write:
+                    written.append(i)
+        # For each return: (argument index it aliases or None, whether it is a write).
+        self.returns: list[tuple[int | None, bool]] = []
+        for r in schema.returns:
+            info = r.alias_info
+            if info is None:
+                self.returns.append((None, False))
+            else:
+                src = next((owner_of_set[s] for s in info.before_set if s in owner_of_set), None)
+                self.returns.append((src, info.is_write))
+        self.written = written
+
+
+@cache
+def aliasing(op: torch._ops.OpOverload) -> Aliasing:
+    return Aliasing(op)
+
+
+def arg_at(args: tuple, kwargs: dict, alias: Aliasing, index: int) -> tuple[Any, Any]:
+    """(path, value) of the schema argument `index` in this call; path is an int or a name."""
+    if index < len(args):
+        return index, args[index]
+    name = alias.arg_names[index]
+    return name, kwargs.get(name)
+
+
+# --- the recording itself -------------------------------------------------------------------
+
+
+class RecordError(TypeError):
+    """A torch call on pointers that gridgraph cannot record; the message says why."""
+
+
+class _Walk:
+    """One walk over a call's arguments: the template, the metadata key and the owner."""
+
+    def __init__(self, pointer_type: type) -> None:
+        self.pointer_type = pointer_type
+        self.owner: Owner | None = None
+        self.key: list[Any] = []
+
+    def convert(self, a: Any) -> Any:
+        if isinstance(a, self.pointer_type):
+            owner = a._owner
+            if self.owner is None:
+                self.owner = owner
+            elif owner is not self.owner:
+                raise RecordError("one op mixes pointers from two different grids")
+            value = owner.graph.values[a._vid]
+            self.key.append(value.meta)
+            return Ref(a._vid)
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cpu":
+                raise RecordError(
+                    f"a local tensor on device {a.device} is mixed with pointers; "
+                    "gridgraph ships local CPU tensors only: call .cpu() first"
+                )
+            if a.layout != torch.strided:
+                raise RecordError(f"tensors with layout {a.layout} are not supported")
+            self.key.append(("const", TensorMeta.of(a)))
+            return Const(a.detach())
+        if isinstance(a, (list, tuple)):
+            self.key.append(len(a))
+            return [self.convert(x) for x in a]
+        if isinstance(a, torch.Generator):
+            raise RecordError(
+                "generator= cannot be sent to a worker; seed the worker with "
+                "worker.manual_seed(s) instead"
+            )
+        if isinstance(a, torch.device):
+            if a.type not in ("cpu",):
+                raise RecordError(f"device {a} is not supported: workers compute on CPU")
+            self.key.append(("device", a.type))
+            return a
+        self.key.append((type(a), a))
+        return a
+
+
+def to_meta(template: Any, graph: Graph) -> Any:
+    """The template with every tensor replaced by a meta tensor of the same layout."""
+    if type(template) is Ref:
+        return graph.values[template.value].meta.on_meta()
+    if type(template) is Const:
+        return TensorMeta.of(template.tensor).on_meta()
+    if isinstance(template, list):
+        return [to_meta(x, graph) for x in template]
+    if isinstance(template, torch.device):
+        return torch.device("meta")
+    return template
+
+
+def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: type) -> Any:
+    """Record one ATen call; return what torch would return (pointers in place of tensors)."""
+    if op is aten._local_scalar_dense.default:  # .item(), bool(p), int(p): a sync point
+        p = args[0]
+        return p._owner.fetch(p._vid).item()
+
+    walk = _Walk(pointer_type)
+    t_args = tuple(walk.convert(a) for a in args)
+    walk.key.append("|")
+    t_kwargs = {k: walk.convert(v) for k, v in kwargs.items()}
+    owner = walk.owner
+    assert owner is not None, "dispatch reached gridgraph without a pointer argument"
+    graph = owner.graph
+    alias = aliasing(op)
+
+    try:
+        spec: OutputSpec | None = infer(
+            op,
+            (op, *walk.key),
+            lambda: (to_meta(list(t_args), graph), to_meta_kwargs(t_kwargs, graph)),
+        )
+    except DataDependent:
+        spec = None
+
+    where = user_frame()
+    node = Node(
+        id=graph.new_id(),
+        op=op,
+        args=t_args,
+        kwargs=t_kwargs,
+        outputs=(),
+        returns="",
+        n_returns=0,
+        writes=_writes(args, kwargs, t_args, t_kwargs, alias),
+        meta={"where": where},
+    )
+    pin = pinned()
+    if pin is not None:
+        node.meta["pin"] = pin
+    if spec is None:
+        return _record_data_dependent(owner, node, args, kwargs, alias)
+
+    results: list[Any] = []
+    outputs: list[int] = []
+    covered_writes: set[Any] = set()
+    for i, meta in enumerate(spec.metas):
+        src, is_write = alias.returns[min(i, len(alias.returns) - 1)]
+        if src is None:
+            value = graph.add_value(meta, producer=node.id)
+            results.append(value.id)
+        else:
+            path, arg = arg_at(args, kwargs, alias, src)
+            base = arg[i] if isinstance(arg, (list, tuple)) and is_write else arg
+            if not isinstance(base, pointer_type):
+                raise RecordError(
+                    f"{op} writes to or views a local tensor using remote data; "
+                    "send that tensor to a worker first"
+                )
+            storage = graph.values[base._vid].storage
+            value = graph.add_value(meta, storage=storage, producer=node.id)
+            if is_write:
+                if meta != graph.values[base._vid].meta:
+                    raise RecordError(
+                        f"{op} changes the shape or strides of a tensor in place, which "
+                        "remote tensors do not support; use the out-of-place form"
+                    )
+                covered_writes.add(path if not isinstance(arg, (list, tuple)) else (path, i))
+                results.append(base)
+            else:
+                results.append(value.id)
+        outputs.append(value.id)
+    node.returns = spec.kind
+    node.n_returns = len(outputs)
+    # New versions of written arguments that the op does not return.
+    rebinds: list[tuple[Any, int]] = []
+    for path, old in node.writes:
+        if path in covered_writes:
+            continue
+        value = graph.add_value(graph.values[old].meta, storage=graph.values[old].storage,
+                                producer=node.id)
+        outputs.append(value.id)
+        rebinds.append((path, value.id))
+    node.outputs = tuple(outputs)
+
+    # Pointers: rebind written ones to their new version, make fresh ones for the rest.
+    for i, r in enumerate(results):
+        if isinstance(r, pointer_type):
+            owner.rebind(r, outputs[i])
+    for path, vid in rebinds:
+        owner.rebind(_pointer_at(args, kwargs, path), vid)
+    out = [r if isinstance(r, pointer_type) else owner.make_pointer(r) for r in results]
+    owner.record(node, eager=not tracing())
+    return _structure(spec.kind, out)
+
+
+def to_meta_kwargs(t_kwargs: dict, graph: Graph) -> dict:
+    return {k: to_meta(v, graph) for k, v in t_kwargs.items()}
+
+
+def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:
+    """(path, value id) of every remote tensor the op writes, before the write."""
+    found = []
+    for index in alias.written:
+        path, t = arg_at(t_args, t_kwargs, alias, index)
+        if type(t) is Ref:
+            found.append((path, t.value))
+        elif isinstance(t, list):
+            found.extend(((path, j), x.value) for j, x in enumerate(t) if type(x) is Ref)
+        elif type(t) is Const:
+            raise RecordError(
+                "an op writes to a local tensor using remote data; send that tensor first"
+            )
+    return tuple(found)
+
+
+def _pointer_at(args: tuple, kwargs: dict, path: Any) -> Any:
+    if isinstance(path, tuple):
+        return _pointer_at(args, kwargs, path[0])[path[1]]
+    return args[path] if isinstance(path, int) else kwargs[path]
+
+
+def _structure(kind: str, out: list[Any]) -> Any:
+    if kind == "tensor":
+        return out[0]
+    if kind == "tuple":
+        return tuple(out)
+    if kind == "list":
+        return list(out)
+    return None
+
+
+# How many value ids to set aside for a data-dependent op's outputs before we know them.
+_DYNAMIC_SLOTS = 8
+
+
+def _record_data_dependent(owner: Owner, node: Node, args, kwargs, alias: Aliasing) -> Any:
+    """Run an op whose output shape depends on data now (with what it needs), then go on."""
+    if node.writes:
+        raise RecordError(f"{node.name} writes its inputs and has data-dependent output")
+    graph = owner.graph
+    node.outputs = tuple(graph.new_id() for _ in range(_DYNAMIC_SLOTS))
+    spec, python_values = owner.run_data_dependent(node)
+    if spec.kind == "none" and python_values:
+        return python_values[0]  # a Python value, e.g. torch.equal
+    out = []
+    for vid, meta in zip(node.outputs, spec.metas):
+        graph.add_value(meta, vid=vid, location=node.meta["location"])
+        out.append(owner.make_pointer(vid))
+    return _structure(spec.kind, out)
