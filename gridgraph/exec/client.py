@@ -22,11 +22,12 @@ import time
 import uuid
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, RemoteError
+from gridgraph.errors import GridError, RemoteError, WorkerLost
 from gridgraph.exec import wire
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.worker import worker_topic
@@ -53,12 +54,26 @@ class _Cell:
 class Client:
     """One user's side of a grid."""
 
-    def __init__(self, transport: Transport, workers: list[str], timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        workers: list[str],
+        *,
+        timeout: float = 300.0,
+        retry_after: float = 2.0,
+        alive: Callable[[str], bool] = lambda worker: True,
+    ) -> None:
         self.transport = transport
         self.workers = list(workers)
         self.timeout = timeout
+        # Best-effort transports may drop a request or its reply: resend after this long
+        # (workers answer a repeated request id from their reply cache, never run it twice).
+        self.retry_after = retry_after
+        # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
+        self.alive = alive
         self.graph = Graph()
-        self.topic = f"gridgraph.client.{transport.identity}"
+        self.session = uuid.uuid4().hex[:12]
+        self.topic = f"gridgraph.client.{transport.identity}.{self.session}"
         self.live: dict[int, _Cell] = {}
         self.failed: dict[int, RemoteError] = {}
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
@@ -67,6 +82,7 @@ class Client:
         self._dead: deque[int] = deque()
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
+        self._outstanding: dict[str, tuple[str, bytes, bool]] = {}  # request id -> resend
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
@@ -191,7 +207,7 @@ class Client:
             plan = split(nodes, placement, self.graph.values, keep, fetch, dynamic)
             try:
                 replies = self._run_plan(plan)
-            except RemoteError as e:
+            except (RemoteError, WorkerLost) as e:
                 self._forget_run(nodes, plan, keep, e)
                 raise
             for node in nodes:
@@ -217,7 +233,7 @@ class Client:
                 keep.update(node.outputs)
         return keep
 
-    def _forget_run(self, nodes: list[Node], plan: Plan, keep: set[int], error: RemoteError):
+    def _forget_run(self, nodes: list[Node], plan: Plan, keep: set[int], error: Exception):
         """After a failed run: its outputs are failed values, its nodes are gone."""
         for node in nodes:
             for vid in node.outputs:
@@ -237,7 +253,14 @@ class Client:
             msg = {"kind": "run", "run": run, "program": stages, "slots": plan.slots,
                    "params": plan.params}
             rids[worker] = self._send(worker, msg)
-        replies = {w: self._wait(w, rid) for w, rid in rids.items()}
+        try:
+            replies = {w: self._wait(w, rid) for w, rid in rids.items()}
+        except WorkerLost:
+            for w in rids:  # unblock the others, which may wait on the lost worker's sends
+                if self.alive(w):
+                    self.transport.publish(worker_topic(w), wire.encode(
+                        {"kind": "abort", "run": run, "session": self.session}))
+            raise
         errors = [r["error"] for r in replies.values() if not r.get("ok")]
         if errors:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
@@ -269,27 +292,50 @@ class Client:
 
     def _send(self, worker: str, msg: dict, counted: bool = True) -> str:
         rid = uuid.uuid4().hex
-        msg = {**msg, "id": rid, "reply_to": self.topic, "free": self.frees[worker]}
+        msg = {**msg, "id": rid, "reply_to": self.topic, "session": self.session,
+               "free": self.frees[worker]}
         self.frees[worker] = []
-        self.transport.publish(worker_topic(worker), wire.encode(msg), counted)
+        payload = wire.encode(msg)
+        self._outstanding[rid] = (worker, payload, counted)
+        self.transport.publish(worker_topic(worker), payload, counted)
         return rid
 
     def _wait(self, worker: str, rid: str) -> dict:
-        deadline = time.monotonic() + self.timeout
-        with self._cv:
-            while rid not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise GridError(f"worker {worker!r} did not answer within {self.timeout} s")
-                self._cv.wait(left)
-            return self._replies.pop(rid)
+        """The reply to request `rid`, resending it while none comes."""
+        start = time.monotonic()
+        resend = start + self.retry_after
+        try:
+            with self._cv:
+                while rid not in self._replies:
+                    now = time.monotonic()
+                    if not self.alive(worker):
+                        raise WorkerLost(worker, self._values_on(worker))
+                    if now - start > self.timeout:
+                        raise GridError(f"worker {worker!r} did not answer in {self.timeout} s")
+                    if now >= resend:
+                        _, payload, counted = self._outstanding[rid]
+                        self.transport.publish(worker_topic(worker), payload, counted)
+                        resend = now + self.retry_after
+                    self._cv.wait(min(0.25, self.retry_after))
+                return self._replies.pop(rid)
+        finally:
+            self._outstanding.pop(rid, None)
+
+    def _values_on(self, worker: str) -> list[str]:
+        """Describe the live values stored on `worker`, for WorkerLost."""
+        lost = []
+        for vid in self.live:
+            value = self.graph.values.get(vid)
+            if value is not None and value.location == worker:
+                lost.append(f"%{vid} {tuple(value.meta.shape)} {value.meta.dtype}")
+        return lost
 
     def _on_reply(self, sender: str, payload: bytes) -> None:
         try:
             msg = wire.decode(payload)
         except wire.WireError:
             return
-        if msg.get("kind") == "reply" and isinstance(msg.get("re"), str):
+        if msg.get("kind") == "reply" and msg.get("re") in self._outstanding:
             with self._cv:
                 self._replies[msg["re"]] = msg
                 self._cv.notify_all()

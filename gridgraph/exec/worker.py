@@ -72,6 +72,7 @@ class Worker:
         self.ops_run = 0
         self._inbox: dict[tuple[str, int, int], Any] = {}
         self._inbox_cv = threading.Condition()
+        self._aborted: set[tuple[str, Any]] = set()  # (client, run) the client gave up on
         self._queue: queue.Queue = queue.Queue()
         self._replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
         self._last_seen: dict[str, float] = {}  # client identity -> time of last request
@@ -97,10 +98,15 @@ class Worker:
         except wire.WireError as e:
             log.warning("%s: dropped a malformed message from %s: %s", self.name, sender, e)
             return
-        if msg["kind"] == "transfer":
+        kind = msg["kind"]
+        if kind == "transfer":
             self._accept_transfer(sender, msg)
+        elif kind == "abort":  # handled here: the execution thread may be blocked in a recv
+            with self._inbox_cv:
+                self._aborted.add((_client_key(sender, msg), msg.get("run")))
+                self._inbox_cv.notify_all()
         else:
-            self._queue.put((sender, msg))
+            self._queue.put((_client_key(sender, msg), msg))
 
     def _accept_transfer(self, sender: str, msg: dict) -> None:
         try:
@@ -332,6 +338,8 @@ class _Run:
         deadline = time.monotonic() + self.w.recv_timeout
         with self.w._inbox_cv:
             while key not in self.w._inbox:
+                if (self.client, self.run) in self.w._aborted:
+                    raise UpstreamFailed(f"run {self.run} was aborted by its client")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
@@ -371,6 +379,12 @@ class _Run:
                 "upstream": upstream,
             },
         }
+
+
+def _client_key(sender: str, msg: dict) -> str:
+    """Who owns the tensors a request names: the sender's identity and its session."""
+    session = msg.get("session")
+    return f"{sender}/{session}" if isinstance(session, str) else sender
 
 
 def _at_path(args: list, kwargs: dict, path: Any) -> Any:

@@ -186,7 +186,7 @@ def split(
         stage[w] = s
         programs[w][s].extend(recvs)
         outs = [b.slot(v) for v in node.outputs]
-        writes = [(path, b.slot(vid)) for path, vid in node.writes]
+        writes = [(path, b.slot(vid)) for path, vid in node.written_args]
         args = b.template(list(node.args))
         kwargs = {k: b.template(v) for k, v in node.kwargs.items()}
         report = node.id in dynamic

@@ -63,6 +63,8 @@ class Node:
     returns: str  # 'tensor', 'tuple', 'list' or 'none': how outputs map to the result
     n_returns: int
     writes: tuple[tuple[Any, int], ...]  # (argument path, value id before the write)
+    # Written arguments the op does not return: (argument path, value id of the new version).
+    written_args: tuple[tuple[Any, int], ...] = ()
     meta: dict = field(default_factory=dict)  # where: user's file:line; passes add more
 
     @property

@@ -305,6 +305,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         outputs.append(value.id)
         rebinds.append((path, value.id))
     node.outputs = tuple(outputs)
+    node.written_args = tuple(rebinds)
 
     # Pointers: rebind written ones to their new version, make fresh ones for the rest.
     for i, r in enumerate(results):
