@@ -21,8 +21,10 @@ DENIED = frozenset({
     "from_file", "set_", "_set_", "data_ptr", "_cpu_cuda_kernel", "save", "load",
     "_nested_tensor_from_mask", "_pin_memory", "pin_memory", "record_stream",
     "_make_per_tensor_quantized_tensor", "_foobar", "_assert_async", "_print",
-    "lift_fresh", "_fused_sdp_choice", "_unsafe_view",
+    "lift_fresh", "_fused_sdp_choice",
 })  # fmt: skip
+# "_unsafe" ops skip bounds checks; _unsafe_view only skips autograd's view tracking.
+ALLOWED_UNSAFE = frozenset({"_unsafe_view"})
 
 
 class OpRefused(ValueError):
@@ -36,7 +38,7 @@ def resolve(name: str) -> torch._ops.OpOverload:
     if m is None:
         raise OpRefused(f"{name!r} is not an ATen op name")
     base, overload = m.group(1), m.group(2) or "default"
-    if base in DENIED or base.startswith("_unsafe"):
+    if base in DENIED or (base.startswith("_unsafe") and base not in ALLOWED_UNSAFE):
         raise OpRefused(f"aten::{base} is not allowed on workers")
     try:
         op = getattr(getattr(torch.ops.aten, base), overload)

@@ -116,6 +116,10 @@ def user_frame() -> str:
 
 # --- the schema's aliasing, once per op ----------------------------------------------------
 
+# Ops whose schema does not declare arguments they write (argument indices).
+# native_batch_norm updates running_mean and running_var in training mode.
+UNDECLARED_WRITES = {"aten::native_batch_norm": (3, 4)}
+
 
 class Aliasing:
     """Per op: which argument each return aliases, and which arguments it writes."""
@@ -132,6 +136,7 @@ class Aliasing:
                     owner_of_set[s] = i
                 if a.alias_info.is_write:
                     written.append(i)
+        written.extend(UNDECLARED_WRITES.get(schema.name, ()))
         # For each return: (argument index it aliases or None, whether it is a write).
         self.returns: list[tuple[int | None, bool]] = []
         for r in schema.returns:
