@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from gridgraph.errors import GridError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.trace.pointer import RemoteTensor
-from gridgraph.trace.record import RecordError, trace
+from gridgraph.trace.record import trace
 from gridgraph.trace.record import on as _on
 
 __all__ = [

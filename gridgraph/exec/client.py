@@ -174,9 +174,12 @@ class Client:
         """Run every pending node."""
         self._execute(set(self.graph.dag.nodes), fetch=[])
 
-    def move(self, p: RemoteTensor, worker: str) -> None:
-        if worker not in self.workers:
+    def move(self, p: RemoteTensor, worker: Any) -> None:
+        """Copy `p`'s value to `worker` (a WorkerRef of this grid) and repoint `p` there."""
+        grid = getattr(worker, "grid", None)
+        if grid is None or grid.client is not self:
             raise GridError(f"{worker!r} is not a worker of this grid")
+        worker = worker.name
         with torch.no_grad(), on(worker):
             copy = torch.ops.aten.clone.default(p)
         self.execute([copy._vid])

@@ -44,3 +44,6 @@ def naive_placement(nodes: list[Node], values: dict[int, Value]) -> dict[int, st
         for v in node.outputs:
             where[v] = w
     return placement
+
+
+# --- the placement compiler ---------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from gridgraph.errors import RecordError
 from gridgraph.trace.graph import Const, Graph, Node, Ref
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
 
@@ -96,7 +97,7 @@ def on(worker_name: str):
 # --- where the user recorded an op ---------------------------------------------------------
 
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.dirname(m.__file__)) + os.sep
+    os.path.dirname(m.__file__) + os.sep
     for m in (sys.modules["gridgraph"], torch)
     if getattr(m, "__file__", None)
 )
@@ -163,10 +164,6 @@ def arg_at(args: tuple, kwargs: dict, alias: Aliasing, index: int) -> tuple[Any,
 
 
 # --- the recording itself -------------------------------------------------------------------
-
-
-class RecordError(TypeError):
-    """A torch call on pointers that gridgraph cannot record; the message says why."""
 
 
 class _Walk:

@@ -1,0 +1,183 @@
+"""The client runtime: round trips, stats, freeing, errors and bad input."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import gridgraph as gg
+
+
+def test_pointer_holds_metadata_only(grid):
+    p = gg.send(torch.arange(6.0).reshape(2, 3), grid.workers[0])
+    assert isinstance(p, torch.Tensor) and isinstance(p, gg.RemoteTensor)
+    assert p.shape == (2, 3) and p.dtype == torch.float32 and p.location == "w0"
+    assert "location='w0'" in repr(p) and "computed=True" in repr(p)
+    assert "0." not in repr(p)  # never a fake value
+    with gg.trace():
+        q = p + 1
+    assert "computed=False" in repr(q) and q.location is None
+    q.compute()
+    assert q.location == "w0" and "computed=True" in repr(q)
+
+
+def test_eager_op_is_one_round_trip(grid):
+    p = gg.send(torch.ones(3), grid.workers[1])
+    grid.reset_stats()
+    q = p * 3  # outside trace(): runs now
+    assert q.location == "w1"
+    assert grid.stats()["messages"] == 2  # the run message and its reply
+    assert torch.equal(q.get(), torch.full((3,), 3.0))
+
+
+def test_trace_defers_until_compute(grid):
+    p = gg.send(torch.ones(3), grid.workers[0])
+    grid.reset_stats()
+    with gg.trace():
+        q = (p + 1) * 2
+        r = q.sum()
+    assert grid.stats()["messages"] == 0
+    gg.compute(q, r)
+    assert grid.stats()["messages"] == 2
+    assert q.location == r.location == "w0"
+    assert r.get().item() == 12.0
+
+
+def test_stats_shape(grid):
+    p = gg.send(torch.ones(100), grid.workers[0])
+    (p * 2).compute()
+    s = grid.stats()
+    assert s["messages"] > 0 and s["bytes"] > 400
+    assert set(s["workers"]) == {"w0", "w1", "w2"}
+    w0 = s["workers"]["w0"]
+    assert w0["objects"] >= 1 and w0["stored_bytes"] >= 400 and w0["ops_run"] >= 1
+
+
+def test_freed_pointer_frees_remote_tensor(grid):
+    w = grid.workers[2]
+    before = grid.stats()["workers"]["w2"]["objects"]
+    ps = [gg.send(torch.ones(10), w) for _ in range(5)]
+    assert grid.stats()["workers"]["w2"]["objects"] == before + 5
+    del ps
+    gc.collect()
+    assert grid.stats()["workers"]["w2"]["objects"] == before
+
+
+def test_releases_are_batched(local_grid):
+    w = local_grid.workers[0]
+    ps = [gg.send(torch.ones(2), w) for _ in range(20)]
+    local_grid.reset_stats()
+    del ps
+    gc.collect()
+    keep = gg.send(torch.ones(2), w)  # the frees ride along with this request
+    assert local_grid.stats()["messages"] == 2
+    assert local_grid.stats()["workers"]["w0"]["objects"] == 1
+    del keep
+
+
+def test_intermediates_are_freed_in_the_same_run(grid):
+    x = gg.send(torch.randn(8, 8), grid.workers[0])
+    w = gg.send(torch.randn(8, 8), grid.workers[1])
+    before = sum(s["objects"] for s in grid.stats()["workers"].values())
+    with gg.trace():
+        y = torch.relu(x @ w).exp().sum()
+    y.compute()
+    after = sum(s["objects"] for s in grid.stats()["workers"].values())
+    assert after == before + 1  # only y remains; the copy of w and the temporaries are gone
+
+
+def test_remote_error_names_worker_op_and_user_line(grid):
+    a = gg.send(torch.randn(3, 4), grid.workers[0])
+    b = gg.send(torch.randn(3, 4), grid.workers[0])
+    with gg.trace():
+        c = a.exp() + b
+        d = c.index_select(0, torch.tensor([10]))  # out of range: only the kernel can tell
+    with pytest.raises(gg.RemoteError) as info:
+        d.get()
+    err = info.value
+    assert err.worker == "w0"
+    assert "index_select" in err.op
+    assert err.where.endswith(f"test_client.py:{_line_of('d = c.index_select')}")
+    assert "index" in err.remote_message and err.where in str(err)
+    # the worker keeps serving
+    assert torch.equal((a * 0).get(), torch.zeros(3, 4))
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if text in line and "_line_of" not in line:
+                return i
+    raise AssertionError(text)
+
+
+def test_shape_errors_raise_at_record_time(grid):
+    a = gg.send(torch.randn(3, 4), grid.workers[0])
+    with pytest.raises(RuntimeError):
+        with gg.trace():
+            a @ a
+
+
+def test_bad_input_is_refused_before_anything_is_sent(local_grid):
+    w0 = local_grid.workers[0]
+    local_grid.reset_stats()
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        gg.send([1, 2, 3], w0)
+    with pytest.raises(gg.GridError, match="device meta"):
+        gg.send(torch.empty(3, device="meta"), w0)
+    with pytest.raises(gg.GridError, match="layout"):
+        gg.send(torch.eye(3).to_sparse(), w0)
+    with pytest.raises(TypeError, match="expected a worker"):
+        gg.send(torch.ones(2), "w0")
+    with pytest.raises(gg.GridError, match="device meta"):
+        local_grid.send_many([torch.ones(2), torch.empty(2, device="meta")], w0)
+    assert local_grid.stats()["messages"] == 0
+    assert local_grid.stats()["workers"]["w0"]["objects"] == 0
+
+
+def test_worker_of_another_grid_is_refused():
+    with gg.local_grid(1) as a, gg.local_grid(1) as b:
+        with pytest.raises(gg.GridError, match="another grid"):
+            b.send(torch.ones(2), a.workers[0])
+        pa = gg.send(torch.ones(2), a.workers[0])
+        pb = gg.send(torch.ones(2), b.workers[0])
+        with pytest.raises(gg.RecordError, match="two different grids"):
+            pa + pb
+
+
+def test_closed_grid_is_refused():
+    grid = gg.local_grid(2)
+    p = gg.send(torch.ones(2), grid.workers[0])
+    grid.close()
+    with pytest.raises(gg.GridError, match="closed"):
+        gg.send(torch.ones(2), grid.workers[0])
+    with pytest.raises(gg.GridError, match="closed"):
+        p.get()
+    with pytest.raises(gg.GridError, match="closed"):
+        grid.stats()
+
+
+def test_local_tensor_on_unsupported_device_in_op(grid):
+    p = gg.send(torch.ones(3), grid.workers[0])
+    with pytest.raises(gg.RecordError, match="device meta"):
+        p + torch.ones(3, device="meta")
+
+
+def test_move_goes_worker_to_worker(grid):
+    p = gg.send(torch.arange(4.0), grid.workers[0])
+    grid.reset_stats()
+    p.move(grid.workers[2])
+    assert p.location == "w2"
+    # run messages to both workers, the transfer, two replies: nothing through the client
+    assert grid.stats()["messages"] == 5
+    assert torch.equal(p.get(), torch.arange(4.0))
+
+
+def test_on_pins_ops_to_a_worker(grid):
+    p = gg.send(torch.ones(4), grid.workers[0])
+    with gg.trace(), gg.on(grid.workers[1]):
+        q = p * 2
+    q.compute()
+    assert q.location == "w1"
