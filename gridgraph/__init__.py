@@ -17,6 +17,7 @@ import torch
 
 from gridgraph.errors import GridError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
+from gridgraph.exec.ipfs import connect
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import trace
 from gridgraph.trace.record import on as _on
@@ -30,6 +31,7 @@ __all__ = [
     "WorkerLost",
     "WorkerRef",
     "compute",
+    "connect",
     "local_grid",
     "on",
     "send",

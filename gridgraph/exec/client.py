@@ -125,7 +125,7 @@ class Client:
                 continue  # another pointer names this value now
             self.failed.pop(vid, None)
             value = self.graph.values.get(vid)
-            if value is None or vid in pending_inputs or value.producer in self.graph.dag:
+            if value is None or vid in pending_inputs or value.producer in self.graph:
                 continue  # pending: the plan frees it after its last use
             if value.location is not None:
                 self.frees[value.location].append(vid)
@@ -172,7 +172,7 @@ class Client:
 
     def compute_all(self) -> None:
         """Run every pending node."""
-        self._execute(set(self.graph.dag.nodes), fetch=[])
+        self._execute(set(self.graph.pending), fetch=[])
 
     def move(self, p: RemoteTensor, worker: Any) -> None:
         """Copy `p`'s value to `worker` (a WorkerRef of this grid) and repoint `p` there."""
@@ -228,9 +228,9 @@ class Client:
     def _keep(self, needed: set[int], nodes: list[Node]) -> set[int]:
         """Values that must outlive this run: live pointers and inputs of later work."""
         keep = set(self.live)
-        for nid in self.graph.dag.nodes:
+        for nid, node in self.graph.pending.items():
             if nid not in needed:
-                keep.update(self.graph.node(nid).inputs())
+                keep.update(node.inputs())
         for node in nodes:
             if node.returns == "":  # data-dependent: pointers are made after the run
                 keep.update(node.outputs)
@@ -276,7 +276,7 @@ class Client:
         if isinstance(slot, int) and slot < len(plan.slots):
             value = self.graph.values.get(plan.slots[slot])
             if value is not None and value.producer is not None:
-                node = self.graph.node(value.producer) if value.producer in self.graph.dag else None
+                node = self.graph.pending.get(value.producer)
                 if node is not None:
                     where = node.meta.get("where", where)
         return RemoteError(str(error.get("worker")), str(error.get("op", "?")),
@@ -356,7 +356,7 @@ class Client:
         for w in self.workers:
             try:
                 self.request(w, {"kind": "bye"})
-            except GridError:
+            except (GridError, WorkerLost):  # ipfs: a lost worker must not stop close()
                 pass
         self.closed = True
         self.transport.close()

@@ -1,13 +1,21 @@
 """The wire format: msgpack envelopes, tensors as dtype + shape + raw bytes.
 
+A message is framed as
+
+    [4 bytes: length of the msgpack header] [msgpack header] [tensor data, 64-byte aligned]
+
+The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbytes]`
+pointing into the data region, so tensor bytes are copied once when a message is built and
+never again when it is read: the receiver's tensors are views of the received buffer.
+
 Nothing received is unpickled, evaluated or imported. Every non-msgpack value travels as an
 extension type that decodes to a plain value from a fixed table:
 
     1 Slot(k)      2 Param(k)     3 tensor      4 dtype     5 device ("cpu" only)
     6 memory format / layout      7 complex
 
-A tensor is `[dtype name, shape, bytes]`; the receiver checks that the byte count matches
-the shape and dtype before building it.
+The receiver checks that each tensor's byte count matches its shape and dtype and lies
+inside the data region before building it.
 """
 
 from __future__ import annotations
@@ -46,37 +54,60 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def pack_tensor(t: torch.Tensor) -> list:
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise WireError(f"dtype {t.dtype} cannot be sent")
-    return [name, list(t.shape), tensor_bytes(t)]
+_ALIGN = 64
 
 
-def unpack_tensor(obj: Any) -> torch.Tensor:
+class _Encoder:
+    """Packs one message; tensors go to the data region, the header points at them."""
+
+    def __init__(self) -> None:
+        self.chunks: list[memoryview] = []
+        self.size = 0
+
+    def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise WireError(f"dtype {t.dtype} cannot be sent")
+        data = tensor_bytes(t)
+        pad = -self.size % _ALIGN
+        if pad:
+            self.chunks.append(memoryview(bytes(pad)))
+        offset = self.size + pad
+        self.chunks.append(data)
+        self.size = offset + data.nbytes
+        return msgpack.ExtType(3, msgpack.packb([name, list(t.shape), offset, data.nbytes]))
+
+    def default(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj)
+        return _default(obj)
+
+
+def _unpack_tensor(obj: Any, data: memoryview) -> torch.Tensor:
     try:
-        name, shape, data = obj
+        name, shape, offset, nbytes = obj
     except (TypeError, ValueError):
-        raise WireError("a tensor must be [dtype, shape, bytes]") from None
+        raise WireError("a tensor must be [dtype, shape, offset, nbytes]") from None
     dtype = _DTYPES.get(name)
     if dtype is None:
         raise WireError(f"unknown dtype {name!r}")
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
         raise WireError(f"bad shape {shape!r}")
-    if not isinstance(data, bytes):
-        raise WireError("tensor data must be bytes")
+    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+        raise WireError("bad tensor offset or size")
     numel = 1
     for s in shape:
         numel *= s
-    if numel * dtype.itemsize != len(data):
+    if numel * dtype.itemsize != nbytes:
         raise WireError(
             f"tensor of shape {shape} and dtype {name} needs {numel * dtype.itemsize} bytes, "
-            f"got {len(data)}"
+            f"got {nbytes}"
         )
+    if offset + nbytes > len(data):
+        raise WireError("tensor data lies outside the message")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    # bytearray: a writable buffer, so later in-place ops on the tensor are safe.
-    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).reshape(shape)
 
 
 def _default(obj: Any) -> Any:
@@ -84,8 +115,6 @@ def _default(obj: Any) -> Any:
         return msgpack.ExtType(1, msgpack.packb(obj.index))
     if type(obj) is Param:
         return msgpack.ExtType(2, msgpack.packb(obj.index))
-    if isinstance(obj, torch.Tensor):
-        return msgpack.ExtType(3, msgpack.packb(pack_tensor(obj)))
     if isinstance(obj, torch.dtype):
         return msgpack.ExtType(4, str(obj).removeprefix("torch.").encode())
     if isinstance(obj, torch.device):
@@ -102,8 +131,6 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return Slot(_int(data))
     if code == 2:
         return Param(_int(data))
-    if code == 3:
-        return unpack_tensor(msgpack.unpackb(data))
     if code == 4:
         dtype = _DTYPES.get(data.decode(errors="replace"))
         if dtype is None:
@@ -131,15 +158,36 @@ def _int(data: bytes) -> int:
     return v
 
 
-def encode(message: dict) -> bytes:
-    """A message (a dict of plain values, tensors, slots ...) as bytes."""
-    return msgpack.packb(message, default=_default, use_bin_type=True)
+def encode(message: dict) -> bytearray:
+    """A message (a dict of plain values, tensors, slots ...) as one buffer."""
+    enc = _Encoder()
+    header = msgpack.packb(message, default=enc.default, use_bin_type=True)
+    return bytearray().join([len(header).to_bytes(4, "little"), header, *enc.chunks])
 
 
-def decode(payload: bytes) -> dict:
-    """Bytes back into a message; raises WireError for anything malformed."""
+def decode(payload: bytes | bytearray) -> dict:
+    """A buffer back into a message; raises WireError for anything malformed.
+
+    Tensors are views of the buffer: pass a bytearray (as `encode` makes) to avoid a copy.
+    """
+    if len(payload) < 4:
+        raise WireError("message too short")
+    n = int.from_bytes(payload[:4], "little")
+    if 4 + n > len(payload):
+        raise WireError("message header is truncated")
+    if not isinstance(payload, bytearray) and len(payload) > 4 + n:
+        payload = bytearray(payload)  # tensors need a writable buffer
+    data = memoryview(payload)[4 + n :]
+
+    def ext_hook(code: int, ext: bytes) -> Any:
+        if code == 3:
+            return _unpack_tensor(msgpack.unpackb(ext), data)
+        return _ext_hook(code, ext)
+
     try:
-        msg = msgpack.unpackb(payload, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(
+            memoryview(payload)[4 : 4 + n], ext_hook=ext_hook, raw=False, strict_map_key=False
+        )
     except WireError:
         raise
     except Exception as e:  # msgpack raises several unrelated types for garbage

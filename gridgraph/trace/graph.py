@@ -113,10 +113,15 @@ def _collect_consts(obj: Any, out: list[Const]) -> None:
 
 
 class Graph:
-    """Pending recorded nodes plus the metadata of every known value."""
+    """Pending recorded nodes plus the metadata of every known value.
+
+    Recording appends to plain dicts (it must cost microseconds); `dag` builds the networkx
+    view that passes and debugging tools use.
+    """
 
     def __init__(self) -> None:
-        self.dag = nx.DiGraph()
+        self.pending: dict[int, Node] = {}  # node id -> node, in recording order
+        self.preds: dict[int, dict[int, list[int]]] = {}  # node -> {pred: values along edge}
         self.values: dict[int, Value] = {}
         self._ids = itertools.count(1)
         # Per storage: the pending node that last wrote it, and pending readers since.
@@ -127,11 +132,30 @@ class Graph:
         return next(self._ids)
 
     def node(self, node_id: int) -> Node:
-        return self.dag.nodes[node_id]["node"]
+        return self.pending[node_id]
 
     def nodes(self) -> list[Node]:
         """Pending nodes in recording order (a topological order)."""
-        return [self.dag.nodes[n]["node"] for n in sorted(self.dag.nodes)]
+        return list(self.pending.values())
+
+    def __contains__(self, node_id: int) -> bool:
+        return node_id in self.pending
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    @property
+    def dag(self) -> nx.DiGraph:
+        """The pending nodes as a networkx DiGraph (node attr `node`, edge attr `values`)."""
+        g = nx.DiGraph()
+        g.add_nodes_from((nid, {"node": n}) for nid, n in self.pending.items())
+        g.add_edges_from(
+            (p, nid, {"values": vals})
+            for nid, ps in self.preds.items()
+            for p, vals in ps.items()
+            if p in self.pending
+        )
+        return g
 
     def add_value(
         self, meta: TensorMeta, storage: int | None = None, vid: int | None = None, **kw: Any
@@ -144,61 +168,58 @@ class Graph:
     def add(self, node: Node) -> None:
         """Add a node whose output values are already in `values`; wire data and order edges."""
         nid = node.id
-        self.dag.add_node(nid, node=node)
-        pending = self.dag
+        pending = self.pending
+        pending[nid] = node
+        preds: dict[int, list[int]] = {}
+        self.preds[nid] = preds
         read_storages = set()
         for vid in node.inputs():
             value = self.values[vid]
-            if value.producer is not None and value.producer in pending:
-                self._edge(value.producer, nid, vid)
+            if value.producer in pending:
+                preds.setdefault(value.producer, []).append(vid)
             read_storages.add(value.storage)
         written = {self.values[vid].storage for _, vid in node.writes}
         for s in read_storages | written:
             w = self._last_write.get(s)
-            if w is not None and w in pending and w != nid:
-                self._edge(w, nid)
+            if w in pending and w != nid:
+                preds.setdefault(w, [])
         for s in written:
             for r in self._readers.get(s, ()):
                 if r in pending and r != nid:
-                    self._edge(r, nid)
+                    preds.setdefault(r, [])
             self._last_write[s] = nid
             self._readers[s] = []
         for s in read_storages - written:
             self._readers.setdefault(s, []).append(nid)
 
-    def _edge(self, src: int, dst: int, vid: int | None = None) -> None:
-        if self.dag.has_edge(src, dst):
-            if vid is not None:
-                self.dag.edges[src, dst]["values"].append(vid)
-        else:
-            self.dag.add_edge(src, dst, values=[] if vid is None else [vid])
-
     def last_write(self, storage: int) -> int | None:
         """The pending node that last wrote `storage`, if any."""
         w = self._last_write.get(storage)
-        return w if w is not None and w in self.dag else None
+        return w if w in self.pending else None
 
     def needed_for(self, value_ids: list[int]) -> set[int]:
         """Pending node ids that must run for these values to hold their current contents."""
-        roots = set()
+        stack = []
         for vid in value_ids:
             value = self.values[vid]
-            if value.producer is not None and value.producer in self.dag:
-                roots.add(value.producer)
+            if value.producer in self.pending:
+                stack.append(value.producer)
             w = self.last_write(value.storage)
             if w is not None:
-                roots.add(w)
-        needed = set(roots)
-        for r in roots:
-            needed |= nx.ancestors(self.dag, r)
+                stack.append(w)
+        needed: set[int] = set()
+        while stack:
+            nid = stack.pop()
+            if nid not in needed and nid in self.pending:  # preds may have run already
+                needed.add(nid)
+                stack.extend(self.preds[nid])
         return needed
-
-    def subgraph(self, node_ids: set[int]) -> nx.DiGraph:
-        return self.dag.subgraph(node_ids)
 
     def remove(self, node_ids: set[int]) -> None:
         """Drop nodes that have run; their values stay in `values` with a location."""
-        self.dag.remove_nodes_from(node_ids)
+        for nid in node_ids:
+            del self.pending[nid]
+            del self.preds[nid]
         for s in [s for s, w in self._last_write.items() if w in node_ids]:
             del self._last_write[s]
         for s in list(self._readers):
@@ -207,7 +228,3 @@ class Graph:
                 self._readers[s] = readers
             else:
                 del self._readers[s]
-
-    def forget(self, value_id: int) -> None:
-        """The client no longer refers to this value."""
-        self.values.pop(value_id, None)

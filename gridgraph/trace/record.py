@@ -104,13 +104,20 @@ _LIBRARY_DIRS = tuple(
 _SKIP = ("<frozen", "<string>")
 
 
+_in_library: dict[Any, bool] = {}  # code object -> whether it belongs to gridgraph or torch
+
+
 def user_frame() -> str:
     """file:line of the innermost frame outside gridgraph and torch."""
     f = sys._getframe(1)
     while f is not None:
-        fn = f.f_code.co_filename
-        if not fn.startswith(_LIBRARY_DIRS) and not fn.startswith(_SKIP):
-            return f"{fn}:{f.f_lineno}"
+        code = f.f_code
+        inside = _in_library.get(code)
+        if inside is None:
+            fn = code.co_filename
+            inside = _in_library[code] = fn.startswith(_LIBRARY_DIRS) or fn.startswith(_SKIP)
+        if not inside:
+            return f"{code.co_filename}:{f.f_lineno}"
         f = f.f_back
     return "<unknown>"
 
