@@ -48,8 +48,10 @@ def recording_overhead(grid: gg.Grid, reps: int = 20) -> tuple[float, int]:
     model = mlp(8)
     spread(model, grid)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = gg.send(torch.randn(4, 8), grid.workers[0]), gg.send(torch.randint(0, 10, (4,)),
-                                                                 grid.workers[2])
+    x, y = (
+        gg.send(torch.randn(4, 8), grid.workers[0]),
+        gg.send(torch.randint(0, 10, (4,)), grid.workers[2]),
+    )
     total, ops = 0.0, 0
     for i in range(reps + 3):
         graph = grid.client.graph
@@ -74,8 +76,10 @@ def main() -> None:
 
     with gg.local_grid(3) as grid:
         us_per_op, ops = recording_overhead(grid)
-        print(f"recording overhead: {us_per_op:.1f} us per recorded op "
-              f"({ops} ops per step of a small MLP)")
+        print(
+            f"recording overhead: {us_per_op:.1f} us per recorded op "
+            f"({ops} ops per step of a small MLP)"
+        )
 
         torch.manual_seed(0)
         local = mlp(args.hidden)
@@ -105,12 +109,16 @@ def main() -> None:
             remote_step()
             t_remote += time.perf_counter() - t
         stats = grid.stats()
-        print(f"messages per step: {stats['messages'] / args.steps:.1f} "
-              f"({stats['bytes'] / args.steps / 1e6:.2f} MB per step)")
-        print(f"wall time per step, hidden={args.hidden} batch={args.batch}: "
-              f"plain torch {t_local / args.steps * 1e3:.1f} ms, "
-              f"gridgraph (3 local workers) {t_remote / args.steps * 1e3:.1f} ms, "
-              f"ratio {t_remote / t_local:.2f}x")
+        print(
+            f"messages per step: {stats['messages'] / args.steps:.1f} "
+            f"({stats['bytes'] / args.steps / 1e6:.2f} MB per step)"
+        )
+        print(
+            f"wall time per step, hidden={args.hidden} batch={args.batch}: "
+            f"plain torch {t_local / args.steps * 1e3:.1f} ms, "
+            f"gridgraph (3 local workers) {t_remote / args.steps * 1e3:.1f} ms, "
+            f"ratio {t_remote / t_local:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """gridgraph: distributed PyTorch over a peer-to-peer grid, recorded lazily and placed.
 
-    import torch, gridgraph as gg
+import torch, gridgraph as gg
 
-    with gg.local_grid(3) as grid:
-        w0, w1, w2 = grid.workers
-        x = torch.randn(64, 32).send(w0)
-        W = torch.randn(32, 8).send(w1)
-        with gg.trace():
-            y = torch.relu(x @ W).sum(1)
-        print(y.compute().location, y.get())
+with gg.local_grid(3) as grid:
+    w0, w1, w2 = grid.workers
+    x = torch.randn(64, 32).send(w0)
+    W = torch.randn(32, 8).send(w1)
+    with gg.trace():
+        y = torch.relu(x @ W).sum(1)
+    print(y.compute().location, y.get())
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from gridgraph.errors import GridError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs import connect
 from gridgraph.trace.pointer import RemoteTensor
-from gridgraph.trace.record import trace
 from gridgraph.trace.record import on as _on
+from gridgraph.trace.record import trace
 
 __all__ = [
     "Grid",

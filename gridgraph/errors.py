@@ -18,14 +18,18 @@ class RemoteError(RuntimeError):
     that recorded it and `.remote_traceback` the worker's traceback summary.
     """
 
-    def __init__(self, worker: str, op: str, message: str, where: str = "<unknown>",
-                 remote_traceback: str = "") -> None:
+    def __init__(
+        self,
+        worker: str,
+        op: str,
+        message: str,
+        where: str = "<unknown>",
+        remote_traceback: str = "",
+    ) -> None:
         self.worker, self.op, self.where = worker, op, where
         self.remote_traceback = remote_traceback
         self.remote_message = message
-        super().__init__(
-            f"{op} failed on worker {worker!r} (recorded at {where}):\n  {message}"
-        )
+        super().__init__(f"{op} failed on worker {worker!r} (recorded at {where}):\n  {message}")
 
 
 class WorkerLost(RuntimeError):

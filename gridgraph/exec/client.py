@@ -30,7 +30,9 @@ import torch
 from gridgraph.errors import GridError, RemoteError, WorkerLost
 from gridgraph.exec import wire
 from gridgraph.exec.transport import Transport
+from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import worker_topic
+from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.place import naive_placement
 from gridgraph.schedule.plan import Plan, split
 from gridgraph.trace.graph import Graph, Node
@@ -78,7 +80,9 @@ class Client:
         self.failed: dict[int, RemoteError] = {}
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
         self.closed = False
-        self.place = naive_placement
+        self.place = lambda nodes, values, workers: naive_placement(nodes, values)
+        self.plans = PlanCache()
+        self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[int] = deque()
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
@@ -149,7 +153,7 @@ class Client:
         plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
         node.meta["location"] = plan.placement[node.id]
         for reply in replies.values():
-            for base, kind, metas, pyvals in reply.get("dynamic", ()):
+            for _, kind, metas, pyvals in reply.get("dynamic", ()):
                 return OutputSpec(kind, tuple(_meta(m) for m in metas)), pyvals
         raise GridError(f"worker did not report the result of {node.name}")
 
@@ -157,9 +161,8 @@ class Client:
         self._check_open()
         plan, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
         for reply in replies.values():
-            for slot, tensor in reply.get("returns", ()):
-                if plan.slots[slot] == vid:
-                    return tensor
+            for _, tensor in reply.get("returns", ()):
+                return tensor
         raise GridError(f"no worker returned value %{vid}")
 
     def compute(self, pointers: list[RemoteTensor]) -> None:
@@ -198,31 +201,40 @@ class Client:
                 if vid in self.failed:
                     raise self.failed[vid]
             self._collect_dead()
-            nodes = [self.graph.node(n) for n in sorted(needed)]
+            nodes = [self.graph.pending[n] for n in sorted(needed)]
             if not nodes and not fetch:
                 return Plan({}, [], [], [], {}), {}
             for node in nodes:
                 for vid in node.inputs():
                     if vid in self.failed:
                         raise self.failed[vid]
-            placement = self.place(nodes, self.graph.values)
+            values = self.graph.values
             keep = self._keep(needed, nodes)
-            plan = split(nodes, placement, self.graph.values, keep, fetch, dynamic)
+            key, slots = signature(nodes, values, keep, fetch, dynamic)
+            plan = None if dynamic else self.plans.get(key)
+            if plan is None:
+                placement = self.place(nodes, values, self.workers)
+                plan = split(nodes, placement, values, keep, fetch, dynamic, slots)
+                plan.id = self.plans.new_id()
+                params = plan.params
+                if not dynamic:
+                    self.plans.put(key, plan)
+            else:
+                params = [p for node in nodes for p in node.params]
             try:
-                replies = self._run_plan(plan)
+                replies = self._run_plan(plan, slots, params)
             except (RemoteError, WorkerLost) as e:
-                self._forget_run(nodes, plan, keep, e)
+                self._forget_run(nodes, slots, keep, e)
                 raise
-            for node in nodes:
-                w = placement[node.id]
+            for node, w in zip(nodes, plan.node_workers):
                 for vid in node.outputs:
-                    value = self.graph.values.get(vid)
+                    value = values.get(vid)
                     if value is not None:
                         value.location, value.producer = w, None
             self.graph.remove(needed)
-            for vid in plan.slots:
+            for vid in slots:
                 if vid not in keep:
-                    self.graph.values.pop(vid, None)
+                    values.pop(vid, None)
             return plan, replies
 
     def _keep(self, needed: set[int], nodes: list[Node]) -> set[int]:
@@ -236,7 +248,7 @@ class Client:
                 keep.update(node.outputs)
         return keep
 
-    def _forget_run(self, nodes: list[Node], plan: Plan, keep: set[int], error: Exception):
+    def _forget_run(self, nodes: list[Node], slots: list[int], keep: set[int], error: Exception):
         """After a failed run: its outputs are failed values, its nodes are gone."""
         for node in nodes:
             for vid in node.outputs:
@@ -244,44 +256,68 @@ class Client:
                     self.graph.values[vid].producer = None
                     self.failed[vid] = error
         self.graph.remove({n.id for n in nodes})
-        for vid in plan.slots:
+        for vid in slots:
             value = self.graph.values.get(vid)
             if vid not in keep and value is not None and value.location is not None:
                 self.frees[value.location].append(vid)
 
-    def _run_plan(self, plan: Plan) -> dict[str, dict]:
+    def _run_plan(self, plan: Plan, slots: list[int], params: list[Any]) -> dict[str, dict]:
+        """Send each worker its part (the program itself only the first time) and wait."""
         run = next(self._runs)
-        rids = {}
-        for worker, stages in plan.programs.items():
-            msg = {"kind": "run", "run": run, "program": stages, "slots": plan.slots,
-                   "params": plan.params}
-            rids[worker] = self._send(worker, msg)
+        msgs = {}
+        for worker in plan.programs:
+            msg = {
+                "kind": "run",
+                "run": run,
+                "plan": plan.id,
+                "slots": slots,
+                "params": [[i, params[i]] for i in plan.params_of.get(worker, ())],
+            }
+            if plan.id not in self._programs_sent[worker]:
+                msg["program"] = plan.programs[worker]
+            msgs[worker] = msg
+        rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
-            replies = {w: self._wait(w, rid) for w, rid in rids.items()}
+            replies = {}
+            for w, rid in rids.items():
+                reply = self._wait(w, rid)
+                if not reply.get("ok") and reply["error"].get("code") == "unknown-plan":
+                    # The worker dropped the program (restart, or its cache is full): resend.
+                    reply = self._wait(w, self._send(w, {**msgs[w], "program": plan.programs[w]}))
+                replies[w] = reply
         except WorkerLost:
             for w in rids:  # unblock the others, which may wait on the lost worker's sends
                 if self.alive(w):
-                    self.transport.publish(worker_topic(w), wire.encode(
-                        {"kind": "abort", "run": run, "session": self.session}))
+                    self.transport.publish(
+                        worker_topic(w),
+                        wire.encode({"kind": "abort", "run": run, "session": self.session}),
+                    )
             raise
+        for w, reply in replies.items():
+            if reply.get("ok"):
+                self._programs_sent[w].add(plan.id)
         errors = [r["error"] for r in replies.values() if not r.get("ok")]
         if errors:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
-            raise self._remote_error(root, plan)
+            raise self._remote_error(root, slots)
         return replies
 
-    def _remote_error(self, error: dict, plan: Plan) -> RemoteError:
+    def _remote_error(self, error: dict, slots: list[int]) -> RemoteError:
         where = "<unknown>"
         slot = error.get("slot")
-        if isinstance(slot, int) and slot < len(plan.slots):
-            value = self.graph.values.get(plan.slots[slot])
+        if isinstance(slot, int) and slot < len(slots):
+            value = self.graph.values.get(slots[slot])
             if value is not None and value.producer is not None:
                 node = self.graph.pending.get(value.producer)
                 if node is not None:
                     where = node.meta.get("where", where)
-        return RemoteError(str(error.get("worker")), str(error.get("op", "?")),
-                           str(error.get("message", "")), where,
-                           str(error.get("traceback", "")))
+        return RemoteError(
+            str(error.get("worker")),
+            str(error.get("op", "?")),
+            str(error.get("message", "")),
+            where,
+            str(error.get("traceback", "")),
+        )
 
     # --- requests --------------------------------------------------------------------------
 
@@ -295,8 +331,13 @@ class Client:
 
     def _send(self, worker: str, msg: dict, counted: bool = True) -> str:
         rid = uuid.uuid4().hex
-        msg = {**msg, "id": rid, "reply_to": self.topic, "session": self.session,
-               "free": self.frees[worker]}
+        msg = {
+            **msg,
+            "id": rid,
+            "reply_to": self.topic,
+            "session": self.session,
+            "free": self.frees[worker],
+        }
         self.frees[worker] = []
         payload = wire.encode(msg)
         self._outstanding[rid] = (worker, payload, counted)
@@ -364,4 +405,4 @@ class Client:
 
 def _meta(m: list) -> TensorMeta:
     dtype, shape, stride, offset = m
-    return TensorMeta(tuple(shape), tuple(stride), offset, getattr(torch, dtype))
+    return TensorMeta(tuple(shape), tuple(stride), offset, DTYPES[dtype])

@@ -15,7 +15,7 @@ import torch
 from gridgraph.errors import GridError
 from gridgraph.exec.client import Client
 from gridgraph.exec.transport import LocalBus
-from gridgraph.exec.wire import _DTYPES
+from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import Worker
 from gridgraph.trace.meta import TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
@@ -42,9 +42,15 @@ class WorkerRef:
 class Grid:
     """A set of workers and this process's client on them. Use as a context manager."""
 
-    def __init__(self, client: Client, on_close: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        on_close: Callable[[], None] = lambda: None,
+        local_workers: list[Worker] = (),
+    ) -> None:
         self.client = client
         self.workers = [WorkerRef(self, name) for name in client.workers]
+        self.local_workers = list(local_workers)  # the in-process runtimes, if any
         self._on_close = on_close
 
     # --- sending ---------------------------------------------------------------------------
@@ -81,7 +87,7 @@ class Grid:
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for name, t in table.items() if t is not None]  # fmt: skip
         pointers = self.send_many([t for *_, t in slots], worker)
-        for (m, kind, name, t), p in zip(slots, pointers):
+        for (m, kind, name, _), p in zip(slots, pointers):
             if kind == "param":
                 p._is_param = True  # what nn.Parameter does for tensor subclasses
                 m._parameters[name] = p
@@ -122,8 +128,11 @@ class Grid:
             messages += reply["messages"]
             bytes_ += reply["bytes"]
         sent = self.client.transport.sent
-        out = {"messages": messages + sent.messages, "bytes": bytes_ + sent.bytes,
-               "workers": per_worker}
+        out = {
+            "messages": messages + sent.messages,
+            "bytes": bytes_ + sent.bytes,
+            "workers": per_worker,
+        }
         if reset:
             sent.reset()
         return out
@@ -163,7 +172,7 @@ def check_sendable(t: object) -> None:
         raise GridError(f"tensor on device {t.device}: workers take CPU tensors; call .cpu()")
     if t.layout != torch.strided:
         raise GridError(f"tensor with layout {t.layout} cannot be sent; use a dense tensor")
-    if str(t.dtype).removeprefix("torch.") not in _DTYPES:
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise GridError(f"tensors of dtype {t.dtype} cannot be sent")
 
 
@@ -180,4 +189,4 @@ def local_grid(n: int = 3) -> Grid:
         for w in workers:
             w.close()
 
-    return Grid(client, on_close=stop_workers)
+    return Grid(client, on_close=stop_workers, local_workers=workers)

@@ -27,7 +27,7 @@ import torch
 
 from gridgraph.schedule.plan import Param, Slot
 
-_DTYPES = {
+DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
@@ -66,7 +66,7 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         name = str(t.dtype).removeprefix("torch.")
-        if name not in _DTYPES:
+        if name not in DTYPES:
             raise WireError(f"dtype {t.dtype} cannot be sent")
         data = tensor_bytes(t)
         pad = -self.size % _ALIGN
@@ -88,7 +88,7 @@ def _unpack_tensor(obj: Any, data: memoryview) -> torch.Tensor:
         name, shape, offset, nbytes = obj
     except (TypeError, ValueError):
         raise WireError("a tensor must be [dtype, shape, offset, nbytes]") from None
-    dtype = _DTYPES.get(name)
+    dtype = DTYPES.get(name)
     if dtype is None:
         raise WireError(f"unknown dtype {name!r}")
     if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
@@ -132,7 +132,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == 2:
         return Param(_int(data))
     if code == 4:
-        dtype = _DTYPES.get(data.decode(errors="replace"))
+        dtype = DTYPES.get(data.decode(errors="replace"))
         if dtype is None:
             raise WireError(f"unknown dtype {data!r}")
         return dtype

@@ -37,6 +37,7 @@ from gridgraph.schedule.plan import Param, Slot
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
+PROGRAMS_KEPT = 64  # compiled programs a worker keeps per grid, least recently used dropped
 
 
 def worker_topic(name: str) -> str:
@@ -45,6 +46,10 @@ def worker_topic(name: str) -> str:
 
 class RequestError(Exception):
     """A request that cannot be served; its message goes back to the sender."""
+
+    def __init__(self, message: str, code: str = "refused") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class UpstreamFailed(Exception):
@@ -75,6 +80,7 @@ class Worker:
         self._aborted: set[tuple[str, Any]] = set()  # (client, run) the client gave up on
         self._queue: queue.Queue = queue.Queue()
         self._replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._programs: OrderedDict[tuple[str, int], _Program] = OrderedDict()
         self._last_seen: dict[str, float] = {}  # client identity -> time of last request
         self._closed = False
         self._handlers = {
@@ -137,8 +143,7 @@ class Worker:
         rid = msg.get("id")
         reply_to = msg.get("reply_to")
         if not isinstance(reply_to, str) or not isinstance(rid, str):
-            log.warning("%s: dropped a %r request without id or reply_to", self.name,
-                        msg["kind"])
+            log.warning("%s: dropped a %r request without id or reply_to", self.name, msg["kind"])
             return
         cached = self._replies.get((client, rid))
         if cached is not None:  # a retry: answer again, never run twice
@@ -152,9 +157,9 @@ class Worker:
             self._free_ids(client, msg.get("free", ()))
             body = {"ok": True, **handler(client, msg)}
         except (RequestError, wire.WireError, OpRefused) as e:
-            log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"],
-                        client, e)
-            body = {"ok": False, "error": {"worker": self.name, "message": str(e)}}
+            log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], client, e)
+            code = getattr(e, "code", "refused")
+            body = {"ok": False, "error": {"worker": self.name, "message": str(e), "code": code}}
         reply = wire.encode({"kind": "reply", "re": rid, "worker": self.name, **body})
         self._replies[(client, rid)] = reply
         while len(self._replies) > 256:
@@ -167,8 +172,12 @@ class Worker:
         values = _list(msg, "values")
         checked = []
         for item in values:
-            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int
-                    and isinstance(item[1], torch.Tensor)):
+            if not (
+                isinstance(item, list)
+                and len(item) == 2
+                and type(item[0]) is int
+                and isinstance(item[1], torch.Tensor)
+            ):
                 raise RequestError("put values must be [value id, tensor] pairs")
             checked.append(item)
         for vid, tensor in checked:
@@ -206,10 +215,16 @@ class Worker:
         return out
 
     def _bye(self, client: str, msg: dict) -> dict:
+        n = self._forget_client(client)
+        return {"freed": n}
+
+    def _forget_client(self, client: str) -> int:
+        for key in [k for k in self._programs if k[0] == client]:
+            del self._programs[key]
         n = self.store.free_client(client)
         self._last_seen.pop(client, None)
         log.info("%s: client %s left, freed %d tensors", self.name, client, n)
-        return {"freed": n}
+        return n
 
     def expire_clients(self, lease: float) -> None:
         """Free the tensors of clients silent for longer than `lease` seconds."""
@@ -217,31 +232,53 @@ class Worker:
         for client in self.store.clients():
             seen = self._last_seen.setdefault(client, now)
             if now - seen > lease:
-                n = self.store.free_client(client)
-                del self._last_seen[client]
-                log.info("%s: lease of client %s expired, freed %d tensors", self.name, client, n)
+                log.info("%s: lease of client %s expired", self.name, client)
+                self._forget_client(client)
 
     # --- running a program -----------------------------------------------------------------
 
     def _run(self, client: str, msg: dict) -> dict:
-        run = msg.get("run")
-        stages = msg.get("program")
-        slots = msg.get("slots")
+        run, plan_id, slots = msg.get("run"), msg.get("plan"), msg.get("slots")
         params = msg.get("params")
-        if type(run) is not int or not isinstance(stages, list) or not isinstance(slots, list):
-            raise RequestError("a run needs 'run', 'program' and 'slots'")
-        if not all(type(v) is int for v in slots) or not isinstance(params, list):
-            raise RequestError("slots must be value ids and params a list")
-        steps = [step for stage in stages if isinstance(stage, list) for step in stage]
-        for step in steps:  # check the whole program before running any of it
-            _check_step(step, len(slots), len(params))
-        return _Run(self, client, run, slots, params).execute(steps)
+        if type(run) is not int or type(plan_id) is not int or not isinstance(slots, list):
+            raise RequestError("a run needs 'run', 'plan' and 'slots'")
+        if not all(type(v) is int for v in slots):
+            raise RequestError("slots must be value ids")
+        if not isinstance(params, list) or not all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
+        ):
+            raise RequestError("params must be [index, value] pairs")
+        params = dict(params)
+        if "program" in msg:
+            self._programs[(client, plan_id)] = _Program(msg["program"], len(slots))
+            while len(self._programs) > PROGRAMS_KEPT:
+                self._programs.popitem(last=False)
+        program = self._programs.get((client, plan_id))
+        if program is None:
+            raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
+        self._programs.move_to_end((client, plan_id))
+        if len(slots) != program.n_slots or not program.params <= params.keys():
+            raise RequestError(f"run of plan {plan_id} does not fit its program")
+        return _Run(self, client, run, slots, params).execute(program.steps)
 
     def close(self) -> None:
         self._closed = True
         self._queue.put(None)
         self.transport.close()
         self._thread.join(timeout=5)
+
+
+class _Program:
+    """A checked program: every step well-formed, every slot and parameter in range."""
+
+    def __init__(self, stages: Any, n_slots: int) -> None:
+        if not isinstance(stages, list) or not all(isinstance(st, list) for st in stages):
+            raise RequestError("a program is a list of stages, each a list of steps")
+        self.steps = [step for stage in stages for step in stage]
+        self.n_slots = n_slots
+        self.params: set[int] = set()
+        for step in self.steps:
+            _check_step(step, n_slots, self.params)
 
 
 class _Run:
@@ -304,9 +341,7 @@ class _Run:
         self.w.ops_run += 1
         if isinstance(result, torch.Tensor):
             tensors, kind = [result], "tensor"
-        elif isinstance(result, (tuple, list)) and all(
-            isinstance(r, torch.Tensor) for r in result
-        ):
+        elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
             tensors, kind = list(result), ("tuple" if isinstance(result, tuple) else "list")
         elif result is None:
             tensors, kind = [], "none"
@@ -322,14 +357,27 @@ class _Run:
         for path, slot in writes:
             self.store(slot, _at_path(resolved, kw, path))
         if report:
-            metas = [[str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
-                      t.storage_offset()] for t in tensors]
+            metas = [
+                [
+                    str(t.dtype).removeprefix("torch."),
+                    list(t.shape),
+                    list(t.stride()),
+                    t.storage_offset(),
+                ]
+                for t in tensors
+            ]
             return [outs[0], kind, metas, []]
         return None
 
     def send(self, slot: int, dst: str) -> None:
-        msg = {"kind": "transfer", "client": self.client, "run": self.run,
-               "value": self.slots[slot], "src": self.w.name, "tensor": self.value(slot)}
+        msg = {
+            "kind": "transfer",
+            "client": self.client,
+            "run": self.run,
+            "value": self.slots[slot],
+            "src": self.w.name,
+            "tensor": self.value(slot),
+        }
         self.w.transport.publish(worker_topic(dst), wire.encode(msg))
 
     def recv(self, slot: int, src: str) -> None:
@@ -356,16 +404,22 @@ class _Run:
         step = steps[index]
         for later in steps[index:]:
             if later[0] == "send":
-                msg = {"kind": "transfer", "client": self.client, "run": self.run,
-                       "value": self.slots[later[1]], "src": self.w.name,
-                       "error": f"failed on {self.w.name}"}
+                msg = {
+                    "kind": "transfer",
+                    "client": self.client,
+                    "run": self.run,
+                    "value": self.slots[later[1]],
+                    "src": self.w.name,
+                    "error": f"failed on {self.w.name}",
+                }
                 self.w.transport.publish(worker_topic(later[2]), wire.encode(msg))
         for vid in self.created:
             self.w.store.free(self.client, vid)
         upstream = isinstance(error, UpstreamFailed)
         if not upstream:
-            log.warning("%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else
-                        step[0], error)
+            log.warning(
+                "%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else step[0], error
+            )
         tb = traceback.format_exception_only(type(error), error)
         frames = traceback.extract_tb(error.__traceback__)[-3:]
         return {
@@ -400,7 +454,7 @@ def _list(msg: dict, key: str) -> list:
     return v
 
 
-def _check_step(step: Any, n_slots: int, n_params: int) -> None:
+def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
     """Reject a malformed step before any step of its program runs."""
     if not isinstance(step, list) or not step or not isinstance(step[0], str):
         raise RequestError(f"malformed step {step!r:.80}")
@@ -413,8 +467,9 @@ def _check_step(step: Any, n_slots: int, n_params: int) -> None:
         _refs(step[2], found)
         _refs(list(step[3].values()), found)
         for ref in found:
-            limit = n_slots if type(ref) is Slot else n_params
-            if ref.index >= limit:
+            if type(ref) is Param:
+                params.add(ref.index)
+            elif ref.index >= n_slots:
                 raise RequestError(f"step refers to {ref!r}, beyond the program's values")
         if not all(type(s) is int and 0 <= s < n_slots for s in step[4]):
             raise RequestError("call outputs must be slots")

@@ -225,9 +225,20 @@ class Timeline:
         fin = fin0.copy()
         return self._simulate(wn, k, fin, list(free_at[k]), copies0, {}, None)
 
-    def kept(self) -> tuple[list[int], float]:
-        wn, _, _, _, t = self._kept
-        return wn, t
+    def state(self, k: int) -> tuple[list[float], list[float], dict[int, tuple[float, int]]]:
+        """(finish times, worker free times, copies) of the kept run just before node k;
+        the lists and dict are fresh, to continue the simulation from k with another
+        placement of the nodes from k on."""
+        _, fin, free_at, copies, _ = self._kept
+        copies = copies.copy()
+        late = []  # dicts keep insertion order: the copies made from k on are at the end
+        for c in reversed(copies):
+            if copies[c][1] < k:
+                break
+            late.append(c)
+        for c in late:
+            del copies[c]
+        return fin.copy(), list(free_at[k]), copies
 
     def _simulate(self, wn, k, fin, free, old, copies, free_at) -> float:
         # `old` holds copies made by an earlier run (with the node that made them); those made

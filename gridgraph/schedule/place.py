@@ -25,6 +25,7 @@ An optional memory cap bounds, per worker, the bytes of the storages whose home 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -180,19 +181,31 @@ def place(
     if not nodes:
         return {}
     workers = list(workers)
-    units = alias_units(nodes, values)
-    for u, w in enumerate(units.fixed):
-        if w is not None and w not in workers and "pin" in nodes[units.members[u][0]].meta:
+    for node in nodes:
+        if node.meta.get("pin", workers[0]) not in workers:
             raise PlacementError(
-                f"{_where(nodes[units.members[u][0]])} is pinned to {w!r}, which is not one "
-                f"of the workers {workers}"
+                f"{_where(node)} is pinned to {node.meta['pin']!r}, which is not one of the "
+                f"workers {workers}"
             )
+    collecting = gc.isenabled()
+    # The search makes many small tuples and no cycles: a collection of the user's (large)
+    # heap in between would cost more than the search itself.
+    gc.disable()
+    try:
+        return _place(nodes, values, workers, cost, memory_cap)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _place(nodes, values, workers, cost, memory_cap) -> dict[int, str]:
+    units = alias_units(nodes, values)
     tl = Timeline(nodes, values, workers, cost)
     room = _room(tl, units, memory_cap)
     search = _Search(tl, units, room, [tl.index[w] for w in workers])
-    candidates = [search.greedy()]
-    naive = search.from_nodes(tl.encode(naive_placement(nodes, values)))
-    candidates += [naive] + [search.all_on(w) for w in search.free_workers]
+    candidates = [search.greedy()[0]]
+    candidates.append(search.from_nodes(tl.encode(naive_placement(nodes, values))))
+    candidates += [search.all_on(w) for w in search.free_workers]
     best = min(
         (c for c in candidates if c is not None and search.fits(c)),
         key=lambda uw: (tl.run(search.expand(uw)), tl.bytes_moved(search.expand(uw))),
@@ -227,20 +240,26 @@ class _Search:
         self.tl, self.units, self.room = tl, units, room
         self.free_workers = free
         self.fixed = [-1 if w is None else tl.index[w] for w in units.fixed]
+        self.first = [m[0] for m in units.members]
+        self.later, self.pushed = self._affinity()
 
     def expand(self, uw: list[int]) -> list[int]:
         return [uw[u] for u in self.units.of]
 
-    def fits(self, uw: list[int]) -> bool:
+    def load(self, uw: list[int]) -> list[float]:
+        """Bytes of new storages per worker, of the free units placed in `uw`."""
         load = [0.0] * len(self.room)
         for u, w in enumerate(uw):
-            if self.fixed[u] < 0:
+            if self.fixed[u] < 0 and w >= 0:
                 load[w] += self.units.nbytes[u]
-        return all(x <= r for x, r in zip(load, self.room))
+        return load
+
+    def fits(self, uw: list[int]) -> bool:
+        return all(x <= r for x, r in zip(self.load(uw), self.room))
 
     def from_nodes(self, wn: list[int]) -> list[int] | None:
         """The unit assignment a node placement makes, or None if it splits a unit."""
-        uw = [wn[m[0]] for m in self.units.members]
+        uw = [wn[i] for i in self.first]
         ok = all(wn[i] == uw[u] for i, u in enumerate(self.units.of))
         ok &= all(f < 0 or f == w for f, w in zip(self.fixed, uw))
         return uw if ok else None
@@ -248,60 +267,80 @@ class _Search:
     def all_on(self, w: int) -> list[int]:
         return [w if f < 0 else f for f in self.fixed]
 
-    def greedy(self) -> list[int]:
-        """List scheduling in recording order; each free unit decided at its first node."""
-        tl, units = self.tl, self.units
-        lat, ibw, ct, ins = tl.lat, tl.ibw, tl.ct, tl.ins
+    def greedy(self, roll: tuple | None = None) -> tuple[list[int], float]:
+        """List scheduling in recording order: each free unit goes, at its first node, where
+        that node finishes earliest (plus the transfers its known data will need).
+
+        From scratch, or as a roll-out `roll` = (uw, wn, load, unit, worker) of the kept run
+        from the unit's first node k: units first seen before k keep their worker, the unit
+        goes to the worker, the free units after it are decided again. Returns the
+        assignment and its finish time.
+        """
+        tl, units, fixed, first = self.tl, self.units, self.fixed, self.first
+        lat, ibw, ct, ins, of = tl.lat, tl.ibw, tl.ct, tl.ins, units.of
+        later, pushed, room, nbytes = self.later, self.pushed, self.room, units.nbytes
         n = len(ins)
-        uw = list(self.fixed)
-        wn = [-1] * n
-        fin = [0.0] * n
-        free = [0.0] * len(tl.workers)
-        copies: dict[int, float] = {}
-        load = [0.0] * len(tl.workers)
-        later, pushed = self._affinity()
-        for i in range(n):
-            u = units.of[i]
+        if roll is None:
+            k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
+            load = [0.0] * len(tl.workers)
+            wn = [uw[u] for u in of]  # -1 for the nodes of undecided units
+        else:
+            uw, wn, load, unit, worker = roll
+            k = first[unit]
+            uw, wn, load = list(uw), list(wn), list(load)
+            for u in range(unit, len(uw)):  # units are numbered by their first node
+                if fixed[u] < 0:
+                    load[uw[u]] -= nbytes[u]
+                    uw[u] = -1
+            uw[unit] = worker
+            load[worker] += nbytes[unit]
+            for i in range(k, n):
+                wn[i] = uw[of[i]]
+            fin, free, copies = tl.state(k)
+        for i in range(k, n):
+            u = of[i]
             if uw[u] < 0:
                 best = None
                 for w in self.free_workers:
-                    if load[w] + units.nbytes[u] > self.room[w]:
+                    if load[w] + nbytes[u] > room[w]:
                         continue
                     t, local = free[w], 0
-                    for p, s, key, nbytes in ins[i]:
+                    for p, s, key, nb in ins[i]:
                         if p >= 0:
                             s, r = wn[p], fin[p]
                         else:
                             r = 0.0
                         if s != w:
                             c = copies.get(key + w)
-                            r = c if c is not None else r + lat[s][w] + nbytes * ibw[s][w]
+                            r = c[0] if c is not None else r + lat[s][w] + nb * ibw[s][w]
                         else:
-                            local += nbytes
+                            local += nb
                         if r > t:
                             t = r
                     # Data this unit's later nodes read, or fixed units read from it.
-                    for p, s, nbytes in later[u]:
+                    for p, s, nb in later[u]:
                         src = wn[p] if p >= 0 else s
                         if src >= 0 and src != w:
-                            t += lat[src][w] + nbytes * ibw[src][w]
-                    for dst, nbytes in pushed[u]:
+                            t += lat[src][w] + nb * ibw[src][w]
+                    for dst, nb in pushed[u]:
                         if dst != w:
-                            t += lat[w][dst] + nbytes * ibw[w][dst]
+                            t += lat[w][dst] + nb * ibw[w][dst]
                     score = (t + ct[i][w], -local)
                     if best is None or score < best[0]:
                         best = (score, w)
                 if best is None:
                     raise PlacementError(
-                        f"no worker has room for the {units.nbytes[u]} bytes that "
+                        f"no worker has room for the {nbytes[u]} bytes that "
                         f"{_where(tl.nodes[i])} creates under the memory cap; raise the cap "
                         "or add workers"
                     )
-                uw[u] = best[1]
-                load[best[1]] += units.nbytes[u]
-            w = wn[i] = uw[u]
+                uw[u] = w = best[1]
+                load[w] += nbytes[u]
+                for j in units.members[u]:
+                    wn[j] = w
+            w = uw[u]
             t = free[w]
-            for p, s, key, nbytes in ins[i]:
+            for p, s, key, nb in ins[i]:
                 if p >= 0:
                     s, r = wn[p], fin[p]
                 else:
@@ -309,12 +348,12 @@ class _Search:
                 if s != w:
                     c = copies.get(key + w)
                     if c is None:
-                        c = copies[key + w] = r + lat[s][w] + nbytes * ibw[s][w]
-                    r = c
+                        c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
+                    r = c[0]
                 if r > t:
                     t = r
             fin[i] = free[w] = t + ct[i][w]
-        return uw
+        return uw, max(free, default=0.0)
 
     def _affinity(self) -> tuple[list[list[tuple]], list[list[tuple]]]:
         """Per unit: inputs of its nodes after the first that come from outside the unit
@@ -341,52 +380,45 @@ class _Search:
         return later, pushed
 
     def refine(self, uw: list[int], steps: int = REFINE_STEPS) -> list[int]:
-        """Move single units to other workers while the finish time improves.
+        """Improve `uw` by moves while the finish time drops and `steps` last.
 
-        Critical-path units are tried first: only they can shorten the finish time. Each
-        try re-simulates from the unit's first node on; `steps` bounds the total.
+        A move takes one unit to another worker, either alone or followed by a greedy
+        roll-out of every unit decided after it (which moves a whole branch with it). The
+        units on the critical path come first: only they can shorten the finish time.
         """
         tl, units = self.tl, self.units
         n = len(tl.ins)
-        uw = list(uw)
-        load = [0.0] * len(tl.workers)
-        for u, w in enumerate(uw):
-            if self.fixed[u] < 0:
-                load[w] += units.nbytes[u]
         wn = self.expand(uw)
         best = tl.run(wn, keep=True)
         steps -= n
-        tried: set[tuple[int, int, float]] = set()
-        while steps > 0:
+        load = self.load(uw)
+        improved = True
+        while improved and steps > 0:
             improved = False
+            steps -= n
             for u in self._critical_units(wn):
-                if steps <= 0:
-                    break
-                k = units.members[u][0]
-                here = uw[u]
+                k = self.first[u]
                 for w in self.free_workers:
-                    if w == here or load[w] + units.nbytes[u] > self.room[w]:
+                    here = uw[u]
+                    if w == here or steps <= 0 or load[w] + units.nbytes[u] > self.room[w]:
                         continue
-                    if (u, w, best) in tried:
-                        continue  # already tried in this exact state
-                    tried.add((u, w, best))
+                    # Cost in simulated node steps: a roll-out weighs about four.
+                    steps -= 5 * (n - k) + n // 20
+                    roll, t_roll = self.greedy((uw, wn, load, u, w))
                     for i in units.members[u]:
                         wn[i] = w
                     t = tl.rerun(wn, k)
-                    steps -= n - k
-                    if t < best * (1 - 1e-9):
-                        best, improved = tl.run(wn, keep=True), True
-                        steps -= n
-                        load[here] -= units.nbytes[u]
-                        load[w] += units.nbytes[u]
-                        uw[u] = here = w
+                    for i in units.members[u]:
+                        wn[i] = here
+                    if min(t, t_roll) >= best * (1 - 1e-9):
+                        continue
+                    if t_roll < t:
+                        uw = roll
                     else:
-                        for i in units.members[u]:
-                            wn[i] = here
-                if improved:
-                    break  # the critical path changed: recompute it
-            if not improved:
-                break
+                        uw[u] = w
+                    wn, load = self.expand(uw), self.load(uw)
+                    best, improved = tl.run(wn, keep=True), True
+                    steps -= 2 * n
         return uw
 
     def _critical_units(self, wn: list[int]) -> list[int]:

@@ -65,6 +65,9 @@ class Plan:
     transfers: list[TransferEdge]
     placement: dict[int, str]  # node id -> worker
     dynamic: dict[int, int] = field(default_factory=dict)  # node id -> call step's slot base
+    params_of: dict[str, list[int]] = field(default_factory=dict)  # worker -> params it reads
+    node_workers: list[str] = field(default_factory=list)  # worker of each node, in order
+    id: int = 0  # set by the plan cache; workers keep programs by it
 
     @property
     def n_stages(self) -> int:
@@ -143,14 +146,18 @@ def split(
     keep: set[int],
     fetch: list[int] = (),
     dynamic: set[int] = frozenset(),
+    slots: list[int] | None = None,
 ) -> Plan:
     """Per-worker programs for `nodes` (in recording order) placed by `placement`.
 
     `keep`: value ids that must survive the run (everything else is freed after its last
     use); `fetch`: value ids returned to the client; `dynamic`: ids of data-dependent nodes,
-    whose result metadata the worker reports.
+    whose result metadata the worker reports; `slots`: the slot order to use (the plan
+    cache's canonical order), else slots are numbered as values are met.
     """
     b = _Builder()
+    for vid in slots or ():
+        b.slot(vid)
     home: dict[int, str] = {}  # value id -> worker that owns it after the run
     present: dict[str, set[int]] = defaultdict(set)  # values on each worker, copies included
     stage: dict[str, int] = defaultdict(int)  # each worker's current stage
@@ -201,13 +208,25 @@ def split(
         w = where(vid)
         programs[w][stage[w]].append(("return", b.slot(vid)))
 
-    stage_lists = {w: [by_stage.get(i, []) for i in range(stage[w] + 1)]
-                   for w, by_stage in programs.items()}
+    stage_lists = {
+        w: [by_stage.get(i, []) for i in range(stage[w] + 1)] for w, by_stage in programs.items()
+    }
     for w, stages in stage_lists.items():
         # Copies received from other workers, and whatever no one needs after the run.
         drop = {v for v in present[w] if home.get(v) != w or v not in keep}
         _insert_frees(stages, drop, b)
-    return Plan(stage_lists, b.slots, b.params, transfers, dict(placement), dynamic_slots)
+    uses = {w: sorted({p for stage in stages for step in stage for p in _params_used(step)})
+            for w, stages in stage_lists.items()}  # fmt: skip
+    return Plan(
+        stage_lists,
+        b.slots,
+        b.params,
+        transfers,
+        dict(placement),
+        dynamic_slots,
+        uses,
+        [placement[n.id] for n in nodes],
+    )
 
 
 def _nbytes(values: dict[int, Value], vid: int) -> int:
@@ -244,6 +263,23 @@ def _slots_used(step: tuple) -> list[int]:
         found.extend(step[4])
         return found
     return [step[1]]
+
+
+def _params_used(step: tuple) -> list[int]:
+    if step[0] != "call":
+        return []
+    found: list[int] = []
+    _params_in(step[2], found)
+    _params_in(list(step[3].values()), found)
+    return found
+
+
+def _params_in(obj: Any, out: list[int]) -> None:
+    for a in obj:
+        if type(a) is Param:
+            out.append(a.index)
+        elif isinstance(a, list):
+            _params_in(a, out)
 
 
 def _slots_in(obj: Any, out: list[int]) -> None:

@@ -63,26 +63,26 @@ class Node:
     returns: str  # 'tensor', 'tuple', 'list' or 'none': how outputs map to the result
     n_returns: int
     writes: tuple[tuple[Any, int], ...]  # (argument path, value id before the write)
+    meta: dict = field(default_factory=dict)  # where: user's file:line; passes add more
     # Written arguments the op does not return: (argument path, value id of the new version).
     written_args: tuple[tuple[Any, int], ...] = ()
-    meta: dict = field(default_factory=dict)  # where: user's file:line; passes add more
+    # The call's structure without ids or float values: equal signatures, equal plans.
+    sig: Any = None
+    params: tuple = ()  # floats and local tensors in the arguments, in argument order
+    _inputs: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return op_name(self.op)
 
-    def inputs(self) -> list[int]:
+    def inputs(self) -> tuple[int, ...]:
         """Value ids this node reads, in argument order."""
-        found: list[int] = []
-        _collect_refs(self.args, found)
-        _collect_refs(tuple(self.kwargs.values()), found)
-        return found
-
-    def consts(self) -> list[Const]:
-        found: list[Const] = []
-        _collect_consts(self.args, found)
-        _collect_consts(tuple(self.kwargs.values()), found)
-        return found
+        if self._inputs is None:
+            found: list[int] = []
+            _collect_refs(self.args, found)
+            _collect_refs(tuple(self.kwargs.values()), found)
+            self._inputs = tuple(found)
+        return self._inputs
 
     def __repr__(self) -> str:
         outs = ", ".join(f"%{v}" for v in self.outputs)
@@ -102,14 +102,6 @@ def _collect_refs(obj: Any, out: list[int]) -> None:
             out.append(a.value)
         elif isinstance(a, (list, tuple)):
             _collect_refs(a, out)
-
-
-def _collect_consts(obj: Any, out: list[Const]) -> None:
-    for a in obj:
-        if type(a) is Const:
-            out.append(a)
-        elif isinstance(a, (list, tuple)) and type(a) is not Ref:
-            _collect_consts(a, out)
 
 
 class Graph:

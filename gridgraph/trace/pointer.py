@@ -87,9 +87,7 @@ class RemoteTensor(torch.Tensor):
         where = self.location
         state = f"location={where!r}, computed=True" if where else "computed=False"
         grad = ", requires_grad=True" if self.requires_grad else ""
-        return (
-            f"RemoteTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {state}{grad})"
-        )
+        return f"RemoteTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {state}{grad})"
 
     def __reduce_ex__(self, protocol: int):
         raise TypeError("a RemoteTensor cannot be pickled; call .get() for its value")

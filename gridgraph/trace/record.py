@@ -174,12 +174,14 @@ def arg_at(args: tuple, kwargs: dict, alias: Aliasing, index: int) -> tuple[Any,
 
 
 class _Walk:
-    """One walk over a call's arguments: the template, the metadata key and the owner."""
+    """One walk over a call's arguments: the template, the metadata key, the owner, and the
+    parameters (floats and local tensors: what may change between runs of one plan)."""
 
     def __init__(self, pointer_type: type) -> None:
         self.pointer_type = pointer_type
         self.owner: Owner | None = None
         self.key: list[Any] = []
+        self.params: list[Any] = []
 
     def convert(self, a: Any) -> Any:
         if isinstance(a, self.pointer_type):
@@ -200,7 +202,9 @@ class _Walk:
             if a.layout != torch.strided:
                 raise RecordError(f"tensors with layout {a.layout} are not supported")
             self.key.append(("const", TensorMeta.of(a)))
-            return Const(a.detach())
+            const = Const(a.detach())
+            self.params.append(const.tensor)
+            return const
         if isinstance(a, (list, tuple)):
             self.key.append(len(a))
             return [self.convert(x) for x in a]
@@ -213,6 +217,10 @@ class _Walk:
             if a.type not in ("cpu",):
                 raise RecordError(f"device {a} is not supported: workers compute on CPU")
             self.key.append(("device", a.type))
+            return a
+        if type(a) is float:
+            self.key.append(float)
+            self.params.append(a)
             return a
         self.key.append((type(a), a))
         return a
@@ -247,9 +255,10 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     alias = aliasing(op)
 
     try:
+        floats = tuple(p for p in walk.params if type(p) is float)  # rarely shape-relevant
         spec: OutputSpec | None = infer(
             op,
-            (op, *walk.key),
+            (op, floats, *walk.key),
             lambda: (to_meta(list(t_args), graph), to_meta_kwargs(t_kwargs, graph)),
         )
     except DataDependent:
@@ -266,10 +275,12 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         n_returns=0,
         writes=_writes(args, kwargs, t_args, t_kwargs, alias),
         meta={"where": where},
+        params=tuple(walk.params),
     )
     pin = pinned()
     if pin is not None:
         node.meta["pin"] = pin
+    node.sig = (op, pin, spec, *walk.key)
     if spec is None:
         return _record_data_dependent(owner, node, args, kwargs, alias)
 
@@ -309,8 +320,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     for path, old in node.writes:
         if path in covered_writes:
             continue
-        value = graph.add_value(graph.values[old].meta, storage=graph.values[old].storage,
-                                producer=node.id)
+        value = graph.add_value(
+            graph.values[old].meta, storage=graph.values[old].storage, producer=node.id
+        )
         outputs.append(value.id)
         rebinds.append((path, value.id))
     node.outputs = tuple(outputs)

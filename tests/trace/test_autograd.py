@@ -13,8 +13,9 @@ import gridgraph as gg
 
 
 def mlp() -> nn.Sequential:
-    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(),
-                         nn.Linear(16, 3))
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
 
 
 class SmallCNN(nn.Module):
@@ -38,8 +39,9 @@ def spread(model: nn.Module, grid) -> None:
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
-@pytest.mark.parametrize("make, shape", [(mlp, (32, 12)), (SmallCNN, (8, 1, 8, 8))],
-                         ids=["mlp", "cnn"])
+@pytest.mark.parametrize(
+    "make, shape", [(mlp, (32, 12)), (SmallCNN, (8, 1, 8, 8))], ids=["mlp", "cnn"]
+)
 def test_training_matches_local(grid, make, shape, opt):
     torch.manual_seed(0)
     local = make()

@@ -24,8 +24,9 @@ def _get(out):
 def check(grid, fn, *inputs, traced: bool = True, exact: bool = False):
     """Assert fn(pointers) == fn(local tensors) (within the dtype's tolerance)."""
     want = fn(*[i.clone() for i in inputs])
-    pointers = [gg.send(t.clone(), grid.workers[k % len(grid.workers)]) for k, t in
-                enumerate(inputs)]
+    pointers = [
+        gg.send(t.clone(), grid.workers[k % len(grid.workers)]) for k, t in enumerate(inputs)
+    ]
     if traced:
         with gg.trace():
             out = fn(*pointers)
@@ -59,8 +60,10 @@ CASES = {
     # reductions
     "sum_mean": (lambda a: a.sum() + a.mean(0).sum() + a.sum(1, keepdim=True).mean(), r(5, 6)),
     "max_min_arg": (lambda a: (a.max(), a.min(), a.argmax(), a.argmin(1)), r(5, 6)),
-    "std_var_norm": (lambda a: (a.std(), a.var(1), a.norm(), torch.linalg.vector_norm(a, 1)),
-                     r(4, 6)),
+    "std_var_norm": (
+        lambda a: (a.std(), a.var(1), a.norm(), torch.linalg.vector_norm(a, 1)),
+        r(4, 6),
+    ),
     "softmax": (lambda a: (F.softmax(a, 1), F.log_softmax(a, 0), torch.logsumexp(a, 1)), r(3, 5)),
     "cumsum_prod": (lambda a: (a.cumsum(1), a.prod(1)), r(3, 4)),
     # matmul
@@ -70,33 +73,70 @@ CASES = {
     "addmm_linear": (lambda a, w, b: F.linear(a, w, b), r(6, 4), r(3, 4), r(3)),
     "einsum": (lambda a, b: torch.einsum("ij,jk->ik", a, b), r(3, 4), r(4, 2)),
     # convolution, pooling, normalisation
-    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1, stride=2), r(2, 3, 8, 8),
-               r(4, 3, 3, 3), r(4)),
+    "conv2d": (
+        lambda x, w, b: F.conv2d(x, w, b, padding=1, stride=2),
+        r(2, 3, 8, 8),
+        r(4, 3, 3, 3),
+        r(4),
+    ),
     "conv1d": (lambda x, w: F.conv1d(x, w), r(2, 3, 10), r(5, 3, 3)),
-    "conv_transpose2d": (lambda x, w: F.conv_transpose2d(x, w, stride=2), r(1, 2, 4, 4),
-                         r(2, 3, 3, 3)),
-    "pooling": (lambda x: (F.max_pool2d(x, 2), F.avg_pool2d(x, 2), F.adaptive_avg_pool2d(x, 1)),
-                r(2, 3, 6, 6)),
-    "batch_norm": (lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
-                   r(4, 3, 5, 5), r(3), r(3)),
+    "conv_transpose2d": (
+        lambda x, w: F.conv_transpose2d(x, w, stride=2),
+        r(1, 2, 4, 4),
+        r(2, 3, 3, 3),
+    ),
+    "pooling": (
+        lambda x: (F.max_pool2d(x, 2), F.avg_pool2d(x, 2), F.adaptive_avg_pool2d(x, 1)),
+        r(2, 3, 6, 6),
+    ),
+    "batch_norm": (
+        lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+        r(4, 3, 5, 5),
+        r(3),
+        r(3),
+    ),
     "layer_group_norm": (lambda x: (F.layer_norm(x, (5,)), F.group_norm(x, 1)), r(2, 4, 5)),
     # indexing and slicing
     "index_slice": (lambda a: (a[0], a[:, 1:3], a[..., ::2], a[-1, -2]), r(4, 5)),
-    "index_tensor": (lambda a: (a[torch.tensor([2, 0, 2])], a.index_select(1, torch.tensor([1])),
-                                a.gather(1, torch.tensor([[0], [1], [2], [0]]))), r(4, 3)),
-    "scatter_masked_fill": (lambda a: (a.scatter(1, torch.tensor([[0], [2]]), 9.0),
-                                       a.masked_fill(a > 0, 0.0)), r(2, 3)),
+    "index_tensor": (
+        lambda a: (
+            a[torch.tensor([2, 0, 2])],
+            a.index_select(1, torch.tensor([1])),
+            a.gather(1, torch.tensor([[0], [1], [2], [0]])),
+        ),
+        r(4, 3),
+    ),
+    "scatter_masked_fill": (
+        lambda a: (a.scatter(1, torch.tensor([[0], [2]]), 9.0), a.masked_fill(a > 0, 0.0)),
+        r(2, 3),
+    ),
     # views
-    "views": (lambda a: (a.view(-1), a.reshape(2, 10), a.t(), a.transpose(0, 1).contiguous(),
-                         a.permute(1, 0), a.unsqueeze(0).expand(3, 4, 5), a.flatten(),
-                         a.narrow(1, 1, 2), a[None, :, None].squeeze()), r(4, 5)),
+    "views": (
+        lambda a: (
+            a.view(-1),
+            a.reshape(2, 10),
+            a.t(),
+            a.transpose(0, 1).contiguous(),
+            a.permute(1, 0),
+            a.unsqueeze(0).expand(3, 4, 5),
+            a.flatten(),
+            a.narrow(1, 1, 2),
+            a[None, :, None].squeeze(),
+        ),
+        r(4, 5),
+    ),
     "as_strided": (lambda a: a.as_strided((3, 3), (1, 3), 2), r(4, 5)),
     # dtype casts
-    "casts": (lambda a: (a.double(), a.to(torch.float16), (a * 10).long(), a.bool(), a.int()),
-              r(3, 3)),
+    "casts": (
+        lambda a: (a.double(), a.to(torch.float16), (a * 10).long(), a.bool(), a.int()),
+        r(3, 3),
+    ),
     # lists, cat, stack, mixing local tensors
-    "cat_stack": (lambda a, b: (torch.cat([a, b]), torch.stack([a, b], 1), a.repeat(2, 1)),
-                  r(2, 3), r(2, 3)),
+    "cat_stack": (
+        lambda a, b: (torch.cat([a, b]), torch.stack([a, b], 1), a.repeat(2, 1)),
+        r(2, 3),
+        r(2, 3),
+    ),
     "mixed_local": (lambda a: a * torch.arange(3.0) + torch.ones(2, 3), r(2, 3)),
     "pad": (lambda a: F.pad(a, [1, 2]), r(2, 3)),
     # multi-output ops
@@ -209,8 +249,13 @@ def test_random_ops_are_seedable_per_worker(grid, seed):
     p = gg.send(torch.zeros(4, 5), w)
 
     def draws(t):
-        return (torch.randn_like(t), torch.rand_like(t), t.clone().normal_(), F.dropout(t + 1, 0.5),
-                torch.bernoulli(t + 0.5))
+        return (
+            torch.randn_like(t),
+            torch.rand_like(t),
+            t.clone().normal_(),
+            F.dropout(t + 1, 0.5),
+            torch.bernoulli(t + 0.5),
+        )
 
     w.manual_seed(seed)
     with gg.trace():
