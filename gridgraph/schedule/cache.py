@@ -26,33 +26,42 @@ def signature(
     fetch: list[int],
     dynamic: set[int],
 ) -> tuple[Hashable, list[int]]:
-    """(cache key, slot order) for running `nodes`; slots number values as first met."""
+    """(cache key, slot order) for running `nodes`; slots number values as first met.
+
+    The key is one flat tuple of ints and small tuples: per node its interned signature,
+    then the slots it reads; per external input its location and aliasing. This runs on
+    every step, so it avoids building a tuple per node.
+    """
     slot_of: dict[int, int] = {}
     slots: list[int] = []
     storage_slot: dict[int, int] = {}  # storage of an external input -> its first slot
-    parts: list[Hashable] = []
+    key: list[Hashable] = []
     for node in nodes:
-        ins = []
-        for v in node.inputs():
-            s = slot_of.get(v)
-            if s is None:
+        ins = node.inputs()
+        for v in ins:
+            if v not in slot_of:
                 s = slot_of[v] = len(slots)
                 slots.append(v)
                 value = values[v]
-                parts.append((s, value.location, storage_slot.setdefault(value.storage, s)))
-            ins.append(s)
+                key.append((value.location, storage_slot.setdefault(value.storage, s)))
+        key.append(node.sig)
+        key.extend([slot_of[v] for v in ins])
+        if dynamic and node.id in dynamic:
+            key.append("dynamic")
+        n = len(slots)
         for v in node.outputs:
-            slot_of[v] = len(slots)
-            slots.append(v)
-        parts.append((node.sig, tuple(ins), node.id in dynamic))
+            slot_of[v] = n
+            n += 1
+        slots.extend(node.outputs)
     for v in fetch:
         if v not in slot_of:
             slot_of[v] = len(slots)
             slots.append(v)
-            parts.append(("fetch", values[v].location))
-    kept = tuple(s for s, v in enumerate(slots) if v in keep)
-    fetched = tuple(slot_of[v] for v in fetch)
-    return (tuple(parts), kept, fetched), slots
+            key.append(("fetch", values[v].location))
+    kept = sorted(slot_of[v] for v in keep if v in slot_of)
+    key.append(("kept", *kept))
+    key.append(("fetched", *[slot_of[v] for v in fetch]))
+    return tuple(key), slots
 
 
 class PlanCache:

@@ -280,7 +280,8 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     pin = pinned()
     if pin is not None:
         node.meta["pin"] = pin
-    node.sig = (op, pin, spec, *walk.key)
+    # Interned to a small int: the plan cache hashes hundreds of these per step.
+    node.sig = _signatures.setdefault((op, pin, spec, *walk.key), len(_signatures))
     if spec is None:
         return _record_data_dependent(owner, node, args, kwargs, alias)
 
@@ -374,6 +375,8 @@ def _structure(kind: str, out: list[Any]) -> Any:
         return list(out)
     return None
 
+
+_signatures: dict[tuple, int] = {}
 
 # How many value ids to set aside for a data-dependent op's outputs before we know them.
 _DYNAMIC_SLOTS = 8
