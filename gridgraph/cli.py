@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from gridgraph.exec import ipfs_nodes
 
@@ -20,9 +21,9 @@ def _worker(args: argparse.Namespace) -> int:
     from gridgraph.exec.ipfs import run_worker  # imports torch: only when needed
 
     logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("urllib3").setLevel(logging.WARNING)  # one line per RPC call otherwise
     return run_worker(args.ipfs, args.name, lease=args.lease)
 
 
@@ -64,10 +65,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    top = parser()
-    args = top.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
-        status = args.func(args)
+        return args.func(args) or 0
     except (FileNotFoundError, RuntimeError, ValueError) as error:  # KuboError: RuntimeError
-        top.exit(1, f"gridgraph {args.command}: error: {error}\n")
-    return status or 0
+        print(f"gridgraph {args.command}: error: {error}", file=sys.stderr)
+        return 1

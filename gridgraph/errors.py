@@ -11,6 +11,10 @@ class RecordError(GridError):
     """A torch call on pointers that gridgraph cannot record; the message says why."""
 
 
+class PlacementError(GridError):
+    """The graph cannot be placed as asked: conflicting aliasing, an unknown pin, no room."""
+
+
 class RemoteError(RuntimeError):
     """An op failed on a worker.
 

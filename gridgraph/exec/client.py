@@ -16,6 +16,7 @@ the queue is drained at the start of the next request, so releases travel in bat
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -27,13 +28,14 @@ from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, PlacementError, RemoteError, WorkerLost
 from gridgraph.exec import wire
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
-from gridgraph.schedule.place import naive_placement
+from gridgraph.schedule.cost import CostModel
+from gridgraph.schedule.place import place
 from gridgraph.schedule.plan import Plan, split
 from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta
@@ -64,6 +66,7 @@ class Client:
         timeout: float = 300.0,
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
+        cost: CostModel | None = None,
     ) -> None:
         self.transport = transport
         self.workers = list(workers)
@@ -80,8 +83,11 @@ class Client:
         self.failed: dict[int, RemoteError] = {}
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
         self.closed = False
-        self.place = lambda nodes, values, workers: naive_placement(nodes, values)
+        # The cost model the placement minimises: in-process links by default.
+        self.cost = cost or CostModel.local()
+        self.place = functools.partial(place, cost=self.cost)
         self.plans = PlanCache()
+        self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[int] = deque()
         self._runs = itertools.count(1)
@@ -108,6 +114,14 @@ class Client:
         self._dead.append(_Cell(cell.vid))  # the old version: free once nothing needs it
         cell.vid = p._vid = vid
         self.live[vid] = cell
+
+    def discard(self, node: Node) -> None:
+        """Forget a recorded node that will never run (its recording was undone)."""
+        if node.id in self.graph:
+            self.graph.remove({node.id})
+        for vid in node.outputs:
+            self.graph.values.pop(vid, None)
+            self.failed.pop(vid, None)
 
     def location_of(self, vid: int) -> str | None:
         value = self.graph.values.get(vid)
@@ -213,7 +227,11 @@ class Client:
             key, slots = signature(nodes, values, keep, fetch, dynamic)
             plan = None if dynamic else self.plans.get(key)
             if plan is None:
-                placement = self.place(nodes, values, self.workers)
+                try:
+                    placement = self.place(nodes, values, self.workers)
+                except PlacementError as e:
+                    self._forget_run(nodes, [], keep, e)  # nothing ran: no frees either
+                    raise
                 plan = split(nodes, placement, values, keep, fetch, dynamic, slots)
                 plan.id = self.plans.new_id()
                 params = plan.params
@@ -221,6 +239,7 @@ class Client:
                     self.plans.put(key, plan)
             else:
                 params = [p for node in nodes for p in node.params]
+            self.last_plan = plan
             try:
                 replies = self._run_plan(plan, slots, params)
             except (RemoteError, WorkerLost) as e:
@@ -236,6 +255,17 @@ class Client:
                 if vid not in keep:
                     values.pop(vid, None)
             return plan, replies
+
+    def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
+        """The plan that computing `vids` would run now, without running it (for explain)."""
+        with self._lock:
+            self._collect_dead()
+            needed = self.graph.needed_for(vids)
+            nodes = [self.graph.pending[n] for n in sorted(needed)]
+            place = placement_fn or self.place
+            placement = place(nodes, self.graph.values, self.workers)
+            keep = self._keep(needed, nodes) | set(vids)
+            return nodes, placement, split(nodes, placement, self.graph.values, keep)
 
     def _keep(self, needed: set[int], nodes: list[Node]) -> set[int]:
         """Values that must outlive this run: live pointers and inputs of later work."""
@@ -347,7 +377,8 @@ class Client:
     def _wait(self, worker: str, rid: str) -> dict:
         """The reply to request `rid`, resending it while none comes."""
         start = time.monotonic()
-        resend = start + self.retry_after
+        retry = self.retry_after
+        resend = start + retry
         try:
             with self._cv:
                 while rid not in self._replies:
@@ -357,9 +388,11 @@ class Client:
                     if now - start > self.timeout:
                         raise GridError(f"worker {worker!r} did not answer in {self.timeout} s")
                     if now >= resend:
-                        _, payload, counted = self._outstanding[rid]
-                        self.transport.publish(worker_topic(worker), payload, counted)
-                        resend = now + self.retry_after
+                        payload = self._outstanding[rid][1]
+                        # ipfs: recovery traffic is not counted, so stats do not depend on losses
+                        self.transport.publish(worker_topic(worker), payload, False)
+                        retry = min(2 * retry, 8 * self.retry_after)  # ipfs: lost, or just slow
+                        resend = now + retry
                     self._cv.wait(min(0.25, self.retry_after))
                 return self._replies.pop(rid)
         finally:

@@ -1,8 +1,9 @@
 """Grids over Kubo: worker discovery, the worker process, and `connect()` for clients.
 
 Discovery: every worker publishes a heartbeat on `DISCOVERY_TOPIC` every `HEARTBEAT` seconds,
-`{"kind": "announce", "name", "instance", "lease", "seq"}`, and `{"kind": "leave", ...}` when
-it stops cleanly. A `Directory` follows that topic and keeps, per worker name, the peer id
+`{"kind": "announce", "name", "instance", "lease", "seq"}` (at once, too, when a client
+publishes `{"kind": "discover"}` there), and `{"kind": "leave", ...}` when it stops cleanly.
+A `Directory` follows that topic and keeps, per worker name, the peer id
 that announced it (signed by libp2p, so trustworthy), the process instance and when it was
 last heard. Policy:
 - a worker is alive while heard within `DEAD_AFTER` seconds and not gone (`leave`); a client
@@ -14,9 +15,13 @@ last heard. Policy:
   its tensors, so to that client it is lost too.
 
 Workers use their Directory to check that a transfer claiming to come from worker `w` was
-published by `w`'s peer. Clients ping (a `stats` request, which workers leave out of the
-traffic counts) every worker at a third of the workers' lease, so an idle but open grid
-keeps its tensors; a client silent past the lease has them freed.
+published by `w`'s peer. PubSub loses a message now and then (see GridTransport): clients
+resend requests after `retry_after` (0.5 s, backing off) and workers ask each other to resend
+transfers; every resent message carries its original id, so nothing runs twice.
+
+Clients ping (a `stats` request, which workers leave out of the traffic counts) every worker
+at a third of the workers' lease, so an idle but open grid keeps its tensors; a client silent
+past the lease has them freed.
 
 Example:
     # shell: gridgraph ipfs up --nodes 3 --root /tmp/swarm; one `gridgraph worker` per node
@@ -27,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import re
@@ -36,7 +42,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +52,19 @@ from gridgraph.exec import wire
 from gridgraph.exec.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.ipfs_nodes import start_nodes, stop_nodes
-from gridgraph.exec.ipfs_transport import IpfsTransport, MalformedEnvelope, unpack
+from gridgraph.exec.ipfs_transport import (
+    BLOCK_SIZE,
+    INLINE_MAX,
+    IpfsTransport,
+    MalformedEnvelope,
+    pack_blocks,
+    pack_inline,
+    unpack,
+)
 from gridgraph.exec.kubo import KuboError
 from gridgraph.exec.transport import Handler, Transport
 from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker, worker_topic
+from gridgraph.schedule.cost import CostModel
 
 log = logging.getLogger("gridgraph.ipfs")
 
@@ -57,6 +73,8 @@ HEARTBEAT = 1.0  # seconds between a worker's announcements
 DEAD_AFTER = 5.0  # a worker unheard for this long is lost (WorkerLost within 10 s)
 DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
+PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
+STORED_KEPT = 16  # large payloads whose blocks a transport remembers, for resending
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -90,17 +108,24 @@ class Directory:
         directory.alive("w1"), directory.identity("w1")
     """
 
-    def __init__(self, dead_after: float = DEAD_AFTER) -> None:
+    def __init__(
+        self, dead_after: float = DEAD_AFTER, on_discover: Callable[[], None] = lambda: None
+    ) -> None:
         self.dead_after = dead_after
+        self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
         self._pinned: dict[str, str] = {}  # name -> instance this client connected to
         self._warned: set[tuple[str, str]] = set()
         self._cv = threading.Condition()
 
     def on_message(self, sender: str, payload: bytes) -> None:
-        """The discovery topic's handler: record announcements and departures."""
+        """The discovery topic's handler: record announcements and departures; pass on a
+        client's request to announce now."""
         try:
             msg = wire.decode(payload)
+            if msg["kind"] == "discover":  # a client looking for workers: answer at once
+                self.on_discover()
+                return
             name, instance = check_name(msg.get("name")), msg.get("instance")
             if not isinstance(instance, str):
                 raise ValueError("no instance")
@@ -216,7 +241,7 @@ def connect(
     *,
     workers: list[str] | None = None,
     lease: float | None = None,
-    retry_after: float = 2.0,
+    retry_after: float = 0.5,
     dead_after: float = DEAD_AFTER,
 ) -> Grid:
     """A Grid of the live workers reachable through the Kubo node whose API is `ipfs`.
@@ -225,27 +250,25 @@ def connect(
     when named), then keeps every live one it heard; raises GridError after `timeout` s.
     `lease`: the silence after which workers free this client's tensors, as the client
     assumes it to ping them in time (default: the shortest lease they announce).
+    `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x);
+    PubSub loses about one message in a few hundred, and a worker answers a repeated request
+    from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
 
     Example:
         with gg.connect(ipfs="/ip4/127.0.0.1/tcp/5001", min_workers=3) as grid:
             w0, w1, w2 = grid.workers
             print((torch.ones(3).send(w0) + 1).get())
     """
-    transport = IpfsTransport(ipfs, deliver_own=True)  # a worker may share this node
-    try:
-        return grid_over(
-            transport,
-            min_workers=min_workers,
-            timeout=timeout,
-            workers=workers,
-            lease=lease,
-            retry_after=retry_after,
-            dead_after=dead_after,
-            where=ipfs,
-        )
-    except BaseException:
-        transport.close()
-        raise
+    return grid_over(
+        _open(GridTransport, ipfs, deliver_own=True),  # a worker may share this node
+        min_workers=min_workers,
+        timeout=timeout,
+        workers=workers,
+        lease=lease,
+        retry_after=retry_after,
+        dead_after=dead_after,
+        where=ipfs,
+    )
 
 
 def grid_over(
@@ -255,28 +278,50 @@ def grid_over(
     timeout: float = 60.0,
     workers: list[str] | None = None,
     lease: float | None = None,
-    retry_after: float = 2.0,
+    retry_after: float = 0.5,
     dead_after: float = DEAD_AFTER,
     where: str = "the grid",
 ) -> Grid:
-    """`connect` on a transport you built (tests wrap it to drop or repeat messages)."""
-    if type(min_workers) is not int or min_workers < 1:
-        raise ValueError(f"min_workers must be a positive int, got {min_workers!r}")
-    directory = Directory(dead_after)
-    transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
-    names = directory.wait(min_workers, timeout, workers, settle=1.5 * HEARTBEAT, where=where)
-    directory.pin(names)
-    client = Client(transport, names, retry_after=retry_after, alive=directory.alive)
-    # The first replies may go out before the workers' nodes learn of our reply topic: one
-    # quick round trip each, resent often, makes sure the grid answers before we hand it out.
-    client.retry_after = min(0.25, retry_after)
-    for name in names:
-        client.request(name, {"kind": "ping"}, counted=False)
-    client.retry_after = retry_after
+    """`connect` on a transport you built (tests wrap it to drop or repeat messages).
+
+    The grid owns `transport` from here on: closing the grid, or a failure here, closes it.
+    """
+    try:
+        if type(min_workers) is not int or min_workers < 1:
+            raise ValueError(f"min_workers must be a positive int, got {min_workers!r}")
+        directory = Directory(dead_after)
+        transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+        ask_workers(transport)
+        names = directory.wait(min_workers, timeout, workers, settle=HEARTBEAT, where=where)
+        directory.pin(names)
+        client = Client(
+            transport,
+            names,
+            retry_after=retry_after,
+            alive=directory.alive,
+            cost=CostModel.pubsub(),
+        )
+        # The first replies may go out before the workers' nodes learn of our reply topic: one
+        # quick round trip each, resent often, makes sure the grid answers before it is used.
+        client.retry_after, default_timeout, client.timeout = 0.25, client.timeout, timeout
+        for name in names:
+            client.request(name, {"kind": "ping"}, counted=False)
+        client.retry_after, client.timeout = retry_after, default_timeout
+    except BaseException:
+        transport.close()
+        raise
     keepalive = _KeepAlive(client, directory, lease or directory.lease(names))
     keepalive.start()
     log.info("connected to %d workers on %s: %s", len(names), where, ", ".join(names))
     return Grid(client, on_close=keepalive.stop.set)
+
+
+def ask_workers(transport: Transport) -> None:
+    """Ask every worker to announce itself now rather than at its next heartbeat."""
+    try:
+        transport.publish(DISCOVERY_TOPIC, wire.encode({"kind": "discover"}), counted=False)
+    except KuboError as e:  # the heartbeats will do
+        log.debug("discover: %s", e)
 
 
 class _KeepAlive(threading.Thread):
@@ -311,11 +356,71 @@ class _KeepAlive(threading.Thread):
                     log.debug("keepalive to %s failed: %s", w, e)
 
 
-# --- the worker process ---------------------------------------------------------------------
+# --- transports ----------------------------------------------------------------------------
 
 
-class WorkerTransport(IpfsTransport):
-    """IpfsTransport for a worker: refuses oversized messages before fetching their blocks,
+class GridTransport(IpfsTransport):
+    """IpfsTransport tuned for gridgraph's retries. Upstream candidates, both:
+
+    - Publishes again when Kubo refuses a message with "validation ignored". Kubo validates a
+      node's own publications concurrently and ignores one whose seqno is below one it already
+      accepted, so two threads or processes publishing through one node at once (a worker's
+      heartbeat and its replies, a client sharing a worker's node) make one fail. That message
+      never went out: sending it again is safe. (Receiving nodes run the same check, also
+      concurrently, and drop a message now and then: the layers above resend.)
+    - Stores a large payload's blocks once: a retried request or transfer (the same bytes)
+      publishes only a new envelope naming the same blocks.
+    """
+
+    def __init__(self, api: str, **kwargs) -> None:
+        super().__init__(api, **kwargs)
+        self._stored: OrderedDict[bytes, list[tuple[str, int]]] = OrderedDict()  # by digest
+        self._stored_lock = threading.Lock()
+
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        if self._closed.is_set():
+            raise RuntimeError(f"transport {self.identity} is closed")
+        if len(payload) <= INLINE_MAX:
+            message, blocked = pack_inline(bytes(payload)), 0
+        else:
+            message, blocked = pack_blocks(self._blocks(payload), len(payload)), len(payload)
+        for attempt in range(PUBLISH_TRIES):
+            try:
+                self.kubo.pubsub_pub(topic, message)
+                break
+            except KuboError as e:
+                if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
+                    raise
+                time.sleep(0.001 * 2**attempt)
+        if counted:
+            self.sent.add(len(message) + blocked)
+
+    def _blocks(self, payload: bytes) -> list[tuple[str, int]]:
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        with self._stored_lock:
+            if digest in self._stored:
+                self._stored.move_to_end(digest)
+                return self._stored[digest]
+        view = memoryview(payload)
+        pieces = [view[i : i + BLOCK_SIZE] for i in range(0, len(view), BLOCK_SIZE)]
+        blocks = [(self.kubo.block_put(bytes(piece)), len(piece)) for piece in pieces]
+        with self._stored_lock:
+            self._stored[digest] = blocks
+            while len(self._stored) > STORED_KEPT:
+                self._stored.popitem(last=False)
+        return blocks
+
+
+def _open(cls: type[IpfsTransport], ipfs: str, **kwargs) -> IpfsTransport:
+    try:
+        return cls(ipfs, **kwargs)
+    except KuboError as e:
+        raise KuboError(f"cannot reach the Kubo node at {ipfs} ({e}); is `ipfs daemon` running "
+                        "there? (`gridgraph ipfs up` starts a local swarm)") from e  # fmt: skip
+
+
+class WorkerTransport(GridTransport):
+    """GridTransport for a worker: refuses oversized messages before fetching their blocks,
     and logs each message it receives (DEBUG)."""
 
     def __init__(self, api: str, *, max_payload: int = MAX_PAYLOAD, **kwargs) -> None:
@@ -337,6 +442,9 @@ class WorkerTransport(IpfsTransport):
         super().subscribe(topic, logged if topic != DISCOVERY_TOPIC else handler)
 
 
+# --- the worker process ---------------------------------------------------------------------
+
+
 def run_worker(
     ipfs: str,
     name: str,
@@ -356,13 +464,29 @@ def run_worker(
         run_worker("/ip4/127.0.0.1/tcp/5001", "w1")   # what `gridgraph worker` runs
     """
     check_name(name)
+    if not lease > 0:
+        raise ValueError(f"lease must be positive, got {lease}")
     stop = stop or threading.Event()
+    transport = _open(WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload)
+    handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-    transport = WorkerTransport(ipfs, deliver_own=True, max_payload=max_payload)
+            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, stop)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _serve_as_worker(
+    transport: WorkerTransport, ipfs: str, name: str, lease: float, heartbeat: float,
+    recv_timeout: float, stop: threading.Event,
+) -> int:  # fmt: skip
     instance = uuid.uuid4().hex[:12]
-    directory = Directory()
+    asked = threading.Event()  # a client asked for announcements (or we are stopping)
+    threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
+    directory = Directory(on_discover=asked.set)
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
@@ -372,26 +496,27 @@ def run_worker(
     rival = directory.heard_since(name, listening)
     if rival is not None:
         transport.close()
-        log.error(
-            "a worker named %r is already running (peer %s); pick another --name",
-            name,
-            rival.identity,
-        )
+        log.error("a worker named %r is already running (peer %s); pick another --name",
+                  name, rival.identity)  # fmt: skip
         return 1
-    worker = Worker(
-        name,
-        transport,
-        recv_timeout=recv_timeout,
-        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
-    )
+    worker = Worker(name, transport, recv_timeout=recv_timeout,
+                    peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat))  # fmt: skip
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
+    failing = False
 
     def announce(kind: str, seq: int) -> None:
+        nonlocal failing
         msg = {"kind": kind, "name": name, "instance": instance, "lease": lease, "seq": seq}
         try:
             transport.publish(DISCOVERY_TOPIC, wire.encode(msg), counted=False)
         except KuboError as e:
-            log.warning("%s: cannot announce on %s: %s", name, ipfs, e)
+            if not failing:  # once, not every second while the node is down
+                log.warning("%s: cannot announce through %s: %s", name, ipfs, e)
+            failing = True
+            return
+        if failing:
+            log.info("%s: announcing again", name)
+        failing = False
 
     check_every = min(max(lease / 4, heartbeat), 30.0)
     next_check = time.monotonic() + check_every
@@ -402,28 +527,29 @@ def run_worker(
         seq += 1
         if time.monotonic() >= next_check:
             next_check = time.monotonic() + check_every
-            _expire(worker, lease)
-            report = (len(worker.store), worker.store.stored_bytes(), worker.ops_run)
-            if report != last_report:
+            report = _expire(worker, lease)
+            if report is not None and report != last_report:
                 last_report = report
-                log.info(
-                    "%s: holding %d tensors (%d bytes); %d ops run since the last reset",
-                    name,
-                    *report,
-                )
-        stop.wait(heartbeat)
+                log.info("%s: %d clients, %d tensors (%d bytes); %d ops run since the last "
+                         "stats reset", name, *report)  # fmt: skip
+        asked.wait(heartbeat)
+        asked.clear()
+        stop.wait(0.05)  # at most 20 announcements a second, however often we are asked
     log.info("worker %s stopping", name)
     announce("leave", seq)
     worker.close()
     return 0
 
 
-def _expire(worker: Worker, lease: float) -> None:
-    # The execution thread may change the store meanwhile; a clash only delays expiry.
-    try:
+def _expire(worker: Worker, lease: float) -> tuple | None:
+    """Free the tensors of clients silent past the lease; return what the worker holds."""
+    try:  # the execution thread may change the store meanwhile: a clash only delays this
         worker.expire_clients(lease)
+        store = worker.store
+        return len(store.clients()), len(store), store.stored_bytes(), worker.ops_run
     except (RuntimeError, KeyError) as e:
         log.debug("%s: lease check deferred: %s", worker.name, e)
+        return None
 
 
 # --- local processes: what tests, the demo and the benchmark start --------------------------
@@ -433,18 +559,8 @@ def spawn_worker(
     api: str, name: str, log_path: Path, *, lease: float | None = None, log_level: str = "INFO"
 ) -> subprocess.Popen:
     """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`."""
-    args = [
-        sys.executable,
-        "-m",
-        "gridgraph",
-        "worker",
-        "--ipfs",
-        api,
-        "--name",
-        check_name(name),
-        "--log-level",
-        log_level,
-    ]
+    args = [sys.executable, "-m", "gridgraph", "worker", "--ipfs", api,
+            "--name", check_name(name), "--log-level", log_level]  # fmt: skip
     if lease is not None:
         args += ["--lease", str(lease)]
     with open(log_path, "ab") as out:
@@ -479,6 +595,7 @@ def discover(
     try:
         directory = Directory()
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+        ask_workers(transport)
         deadline = time.monotonic() + timeout
         while True:
             for proc in procs:
@@ -487,13 +604,8 @@ def discover(
                         f"worker process {' '.join(proc.args[-6:])} exited with {proc.returncode}"
                     )
             try:
-                return directory.wait(
-                    min_workers,
-                    min(1.0, deadline - time.monotonic()),
-                    names,
-                    settle=1.5 * HEARTBEAT,
-                    where=ipfs,
-                )
+                left = min(1.0, deadline - time.monotonic())
+                return directory.wait(min_workers, left, names, settle=HEARTBEAT, where=ipfs)
             except GridError:
                 if time.monotonic() >= deadline:
                     raise

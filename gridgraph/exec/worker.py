@@ -18,6 +18,7 @@ gets an error reply when it names a reply topic, is logged, and changes nothing.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -38,6 +39,10 @@ log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
 PROGRAMS_KEPT = 64  # compiled programs a worker keeps per grid, least recently used dropped
+# ipfs: PubSub drops messages (Kubo validates a peer's messages concurrently and ignores any
+# whose seqno is below one already seen): a recv waiting this long asks the sender to resend.
+RESEND_AFTER = 0.5
+TRANSFERS_KEPT = 1024  # ipfs: recent transfers kept for resending, and received ones for dedup
 
 
 def worker_topic(name: str) -> str:
@@ -78,8 +83,11 @@ class Worker:
         self._inbox: dict[tuple[str, int, int], Any] = {}
         self._inbox_cv = threading.Condition()
         self._aborted: set[tuple[str, Any]] = set()  # (client, run) the client gave up on
+        self._sent: OrderedDict[tuple, bytes] = OrderedDict()  # ipfs: (client, run, value, dst)
+        self._received: OrderedDict[tuple, None] = OrderedDict()  # ipfs: consumed inbox keys
         self._queue: queue.Queue = queue.Queue()
-        self._replies: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # ipfs: with the time each reply went out (-inf until it did)
+        self._replies: OrderedDict[tuple[str, str], tuple[bytes, float]] = OrderedDict()
         self._programs: OrderedDict[tuple[str, int], _Program] = OrderedDict()
         self._last_seen: dict[str, float] = {}  # client identity -> time of last request
         self._closed = False
@@ -107,12 +115,17 @@ class Worker:
         kind = msg["kind"]
         if kind == "transfer":
             self._accept_transfer(sender, msg)
+        elif kind == "resend":  # ipfs: a receiver missed a transfer
+            self._resend(sender, msg)
         elif kind == "abort":  # handled here: the execution thread may be blocked in a recv
             with self._inbox_cv:
                 self._aborted.add((_client_key(sender, msg), msg.get("run")))
                 self._inbox_cv.notify_all()
         else:
-            self._queue.put((_client_key(sender, msg), msg))
+            client, now = _client_key(sender, msg), time.monotonic()
+            # Seen now, not when served: a request queued behind a long run keeps the lease.
+            self._last_seen[client] = now
+            self._queue.put((client, msg, now))  # ipfs: arrival
 
     def _accept_transfer(self, sender: str, msg: dict) -> None:
         try:
@@ -125,21 +138,40 @@ class Worker:
             log.warning("%s: dropped a transfer claiming to come from %s", self.name, src)
             return
         with self._inbox_cv:
+            if key in self._received:  # ipfs: a resent copy of a transfer already used
+                return
             self._inbox[key] = msg.get("tensor") if msg.get("error") is None else msg
             self._inbox_cv.notify_all()
+
+    def _transfer(self, dst: str, msg: dict) -> None:
+        """Send a transfer and keep it a while, in case the receiver asks again. # ipfs:"""
+        payload = wire.encode(msg)
+        self._sent[(msg["client"], msg["run"], msg["value"], dst)] = payload
+        while len(self._sent) > TRANSFERS_KEPT:
+            self._sent.popitem(last=False)
+        self.transport.publish(worker_topic(dst), payload)
+
+    def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
+        key = (msg.get("client"), msg.get("run"), msg.get("value"), msg.get("dst"))
+        try:
+            kept = self._sent.get(key)
+        except TypeError:  # an unhashable field: not a request we sent
+            return
+        if kept is not None and self.peer_identity(str(key[3])) == sender:
+            self.transport.publish(worker_topic(key[3]), kept, counted=False)
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            sender, msg = item
+            sender, msg, arrived = item
             try:
-                self._serve(sender, msg)
+                self._serve(sender, msg, arrived)
             except Exception:  # a bug must not take the worker down
                 log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
 
-    def _serve(self, client: str, msg: dict) -> None:
+    def _serve(self, client: str, msg: dict, arrived: float = math.inf) -> None:
         rid = msg.get("id")
         reply_to = msg.get("reply_to")
         if not isinstance(reply_to, str) or not isinstance(rid, str):
@@ -147,24 +179,28 @@ class Worker:
             return
         cached = self._replies.get((client, rid))
         if cached is not None:  # a retry: answer again, never run twice
-            self.transport.publish(reply_to, cached, counted=msg["kind"] != "stats")
+            reply, sent_at = cached
+            # ipfs: a copy that came before the reply went out needs no other answer; only
+            # later ones mean the reply was lost (so clients can retry often, at no cost)
+            if arrived > sent_at:
+                self.transport.publish(reply_to, reply, counted=False)  # ipfs: a recovery
             return
-        self._last_seen[client] = time.monotonic()
         handler = self._handlers.get(msg["kind"])
         try:
             if handler is None:
                 raise RequestError(f"unknown request kind {msg['kind']!r}")
-            self._free_ids(client, msg.get("free", ()))
+            self._free_ids(client, msg.get("free", []))
             body = {"ok": True, **handler(client, msg)}
         except (RequestError, wire.WireError, OpRefused) as e:
             log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], client, e)
             code = getattr(e, "code", "refused")
             body = {"ok": False, "error": {"worker": self.name, "message": str(e), "code": code}}
         reply = wire.encode({"kind": "reply", "re": rid, "worker": self.name, **body})
-        self._replies[(client, rid)] = reply
+        self._replies[(client, rid)] = (reply, -math.inf)
         while len(self._replies) > 256:
             self._replies.popitem(last=False)
         self.transport.publish(reply_to, reply, counted=msg["kind"] != "stats")
+        self._replies[(client, rid)] = (reply, time.monotonic())  # ipfs: it went out
 
     # --- requests --------------------------------------------------------------------------
 
@@ -341,8 +377,11 @@ class _Run:
         self.w.ops_run += 1
         if isinstance(result, torch.Tensor):
             tensors, kind = [result], "tensor"
-        elif isinstance(result, (tuple, list)) and all(isinstance(r, torch.Tensor) for r in result):
-            tensors, kind = list(result), ("tuple" if isinstance(result, tuple) else "list")
+        elif isinstance(result, (tuple, list)) and all(
+            isinstance(r, torch.Tensor) or r is None for r in result
+        ):
+            tensors = [r for r in result if r is not None]  # None: a gradient not asked for
+            kind = "tuple" if isinstance(result, tuple) else "list"
         elif result is None:
             tensors, kind = [], "none"
         else:
@@ -378,21 +417,32 @@ class _Run:
             "src": self.w.name,
             "tensor": self.value(slot),
         }
-        self.w.transport.publish(worker_topic(dst), wire.encode(msg))
+        self.w._transfer(dst, msg)
 
     def recv(self, slot: int, src: str) -> None:
         vid = self.slots[slot]
         key = (self.client, self.run, vid)
         deadline = time.monotonic() + self.w.recv_timeout
+        wait = RESEND_AFTER
+        ask = time.monotonic() + wait
         with self.w._inbox_cv:
             while key not in self.w._inbox:
                 if (self.client, self.run) in self.w._aborted:
                     raise UpstreamFailed(f"run {self.run} was aborted by its client")
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= deadline:
                     raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
-                self.w._inbox_cv.wait(left)
+                if now >= ask:  # ipfs: maybe dropped; the sender resends it if it was sent
+                    resend = {"kind": "resend", "client": self.client, "run": self.run,
+                              "value": vid, "dst": self.w.name}  # fmt: skip
+                    self.w.transport.publish(worker_topic(src), wire.encode(resend), False)
+                    wait = min(2 * wait, 8 * RESEND_AFTER)  # ipfs: slow, or lost again
+                    ask = now + wait
+                self.w._inbox_cv.wait(min(deadline, ask) - now)
             got = self.w._inbox.pop(key)
+            self.w._received[key] = None  # ipfs: ignore resent copies of it
+            while len(self.w._received) > TRANSFERS_KEPT:
+                self.w._received.popitem(last=False)
         if isinstance(got, dict):
             raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
         if not isinstance(got, torch.Tensor):
@@ -412,7 +462,7 @@ class _Run:
                     "src": self.w.name,
                     "error": f"failed on {self.w.name}",
                 }
-                self.w.transport.publish(worker_topic(later[2]), wire.encode(msg))
+                self.w._transfer(later[2], msg)
         for vid in self.created:
             self.w.store.free(self.client, vid)
         upstream = isinstance(error, UpstreamFailed)

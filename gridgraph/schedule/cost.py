@@ -2,7 +2,8 @@
 
 An op takes its estimated FLOPs over its worker's throughput. A value another worker needs
 arrives `latency + nbytes / bandwidth` after its producer finishes (or at time 0 plus that if
-it is already stored), once per destination worker however many ops there read it. Each
+it is already stored), once per destination worker however many ops there read it; with
+`ordered_sends`, not before the sender has run every op recorded before the first reader. Each
 worker runs its ops in recording order, as the programs of `plan.split` do, starting each as
 soon as the worker is free and its inputs are there. The estimated finish time of the whole
 graph is the objective `place` minimizes and `finish_time` reports.
@@ -17,6 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
+
+import torch
 
 from gridgraph.trace.graph import Const, Node, Ref, Value
 
@@ -36,11 +40,17 @@ class CostModel:
     worker_flops: Mapping[str, float] = field(default_factory=dict)
     links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     # (src, dst) -> (bandwidth, latency) for links that differ from the default
+    ordered_sends: bool = False
+    # False: a value leaves as soon as it is ready. True: as `plan.split` emits sends today,
+    # at the reader's place in the sender's program, so after everything the sender runs
+    # that was recorded before the reader.
 
     @classmethod
     def local(cls, **kw) -> CostModel:
-        """In-process workers: messages are queue hand-offs, tensors are pickled copies."""
-        return cls(latency=50e-6, bandwidth=5e9, **kw)
+        """In-process workers: a message is a hand-off plus a copy of its tensors. They share
+        this process's cores (and each op already uses all of them), so running branches on
+        several of them gains nothing: compute counts as nearly free, transfers decide."""
+        return cls(**{"flops": 1e13, "latency": 200e-6, "bandwidth": 2e9, **kw})
 
     @classmethod
     def pubsub(cls, **kw) -> CostModel:
@@ -64,26 +74,25 @@ class CostModel:
 
 # --- FLOPs of one op ------------------------------------------------------------------------
 
+# Matrix products, and the argument index of their left matrix.
 _MATMUL = {"mm": 0, "bmm": 0, "matmul": 0, "mv": 0, "dot": 0, "vdot": 0, "linear": 0,
-           "addmm": 1, "baddbmm": 1, "addbmm": 1, "addmv": 1}  # index of the left matrix
+           "addmm": 1, "baddbmm": 1, "addbmm": 1, "addmv": 1}  # fmt: skip
 # Ops that move or allocate memory without arithmetic worth counting.
 _FREE = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
-         "_unsafe_view", "lift_fresh", "alias"}
+         "_unsafe_view", "lift_fresh", "alias"}  # fmt: skip
 # Ops that do a few passes over their input: mean/variance, exp and a sum, ...
 _HEAVY = {"_softmax": 5, "_log_softmax": 5, "_softmax_backward_data": 4,
           "_log_softmax_backward_data": 4, "native_layer_norm": 8,
           "native_layer_norm_backward": 10, "native_batch_norm": 8,
           "_native_batch_norm_legit_functional": 8, "native_batch_norm_backward": 10,
-          "max_pool2d_with_indices": 9, "avg_pool2d": 9, "gelu": 8, "tanh": 4, "sigmoid": 4}
+          "max_pool2d_with_indices": 9, "avg_pool2d": 9, "gelu": 8, "tanh": 4,
+          "sigmoid": 4}  # fmt: skip
 
 
-def _base(name: str) -> str:
-    """'aten::add_.Tensor' -> 'add_'."""
-    return name.split("::", 1)[-1].split(".", 1)[0]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
+@cache
+def _base(op: torch._ops.OpOverload) -> str:
+    """aten.add_.Tensor -> 'add_'."""
+    return op._schema.name.split("::", 1)[-1]
 
 
 def _arg_shapes(obj, values: Mapping[int, Value], out: list[tuple[int, ...]]) -> None:
@@ -102,46 +111,60 @@ def estimate_flops(node: Node, values: Mapping[int, Value]) -> float:
 
     Matrix products count 2*M*N*K, convolutions 2 * output * (input channels per group) *
     kernel, their backward twice that per requested gradient; views cost nothing; every
-    other op a few FLOPs per element of its largest tensor.
+    other op a few FLOPs per element of its largest remote input or output.
 
-    >>> estimate_flops(mm_node_64x32_by_32x8, values)
+    >>> estimate_flops(node_of_mm_64x32_by_32x8, values)  # 2 * 64 * 8 * 32
     32768.0
     """
-    name = _base(node.name)
+    name = _base(node.op)
+    if name in _MATMUL or "convolution" in name:
+        return _product_flops(node, name, values)
+    if name in _FREE:
+        return 0.0
+    biggest, read = 0, set()
+    for vid in node.inputs():
+        v = values.get(vid)
+        if v is not None:
+            read.add(v.storage)
+            biggest = max(biggest, math.prod(v.meta.shape))
+    view = not node.writes
+    for vid in node.outputs:
+        v = values.get(vid)
+        if v is not None:
+            view = view and v.storage in read
+            biggest = max(biggest, math.prod(v.meta.shape))
+    if view and node.outputs:  # every output shares its storage with an input: no work
+        return 0.0
+    return float(_HEAVY.get(name, 1) * biggest)
+
+
+def _product_flops(node: Node, name: str, values: Mapping[int, Value]) -> float:
     outs = [values[v].meta.shape for v in node.outputs if v in values]
     ins: list[tuple[int, ...]] = []
     _arg_shapes(node.args, values, ins)
     _arg_shapes(tuple(node.kwargs.values()), values, ins)
-    if name in _MATMUL and len(ins) > _MATMUL[name] and outs:
+    if name in _MATMUL:
+        if len(ins) <= _MATMUL[name] or not outs:
+            return 0.0
         left = ins[_MATMUL[name]]
         k = left[-1] if left else 1
-        return 2.0 * _numel(outs[0]) * k + (_numel(outs[0]) if _MATMUL[name] else 0)
-    if "convolution" in name and len(ins) >= 3:
-        backward = name.endswith("backward")
-        x, w = (ins[1], ins[2]) if backward else (ins[0], ins[1])
-        y = ins[0] if backward else (outs[0] if outs else x)
-        transposed = _flag(node.args, 7 if backward else 6)
-        per_point = 2.0 * (w[1] if len(w) > 1 else 1) * _numel(w[2:])
-        forward = per_point * _numel(x if transposed else y)
-        if not backward:
-            return forward
-        mask = node.args[10] if len(node.args) > 10 else [True, True, True]
-        return forward * (bool(mask[0]) + bool(mask[1])) + _numel(y) * bool(mask[2])
-    if name in _FREE or not node.writes and _is_view(node, values):
+        return 2.0 * math.prod(outs[0]) * k + (math.prod(outs[0]) if _MATMUL[name] else 0)
+    backward = name.endswith("backward")
+    if len(ins) < 2 + backward:
         return 0.0
-    biggest = max((_numel(s) for s in ins + outs), default=0)
-    return float(_HEAVY.get(name, 1) * biggest)
+    x, w = (ins[1], ins[2]) if backward else (ins[0], ins[1])
+    y = ins[0] if backward else (outs[0] if outs else x)
+    transposed = _flag(node.args, 7 if backward else 6)
+    per_point = 2.0 * (w[1] if len(w) > 1 else 1) * math.prod(w[2:])
+    forward = per_point * math.prod(x if transposed else y)
+    if not backward:
+        return forward
+    mask = node.args[10] if len(node.args) > 10 else [True, True, True]
+    return forward * (bool(mask[0]) + bool(mask[1])) + math.prod(y) * bool(mask[2])
 
 
 def _flag(args: tuple, index: int) -> bool:
     return bool(args[index]) if len(args) > index and isinstance(args[index], bool) else False
-
-
-def _is_view(node: Node, values: Mapping[int, Value]) -> bool:
-    """Every output shares storage with an input: a view (t, view, expand, detach, ...)."""
-    read = {values[v].storage for v in node.inputs() if v in values}
-    outs = [values[v] for v in node.outputs if v in values]
-    return bool(outs) and all(o.storage in read for o in outs)
 
 
 # --- the simulation -----------------------------------------------------------------------
@@ -165,46 +188,51 @@ class Timeline:
     ) -> None:
         cost = cost or CostModel()
         self.nodes = nodes
+        self.flops = [estimate_flops(n, values) for n in nodes]
+        producer = {v: i for i, n in enumerate(nodes) for v in n.outputs}
+        # Per node, its distinct inputs as (producer index or -1, stored worker, value, bytes).
+        self.key_of: dict[int, int] = {}
+        rows: list[list[tuple]] = []
+        stored_on: dict[str, None] = {}  # workers holding inputs, in order of first use
+        for n in nodes:
+            row = []
+            for vid in dict.fromkeys(n.inputs()):
+                key = self.key_of.get(vid)
+                if key is None:
+                    key = self.key_of[vid] = len(self.key_of)
+                v = values.get(vid)
+                p = producer.get(vid, -1)
+                if p < 0 and (v is None or v.location is None):
+                    raise ValueError(
+                        f"value %{vid} read by {n.name} (recorded at "
+                        f"{n.meta.get('where', '<unknown>')}) is neither stored on a worker "
+                        "nor produced by the graph being placed"
+                    )
+                location = None if p >= 0 else v.location
+                if location is not None:
+                    stored_on[location] = None
+                row.append((p, location, key, v.meta.nbytes if v is not None else 0))
+            rows.append(row)
+        # Workers: those given, then any other that holds data or is named by a pin.
         self.workers = list(workers)
-        names = set(self.workers)
-        extra = {v.location for n in nodes for i in n.inputs() if (v := values.get(i))}
-        extra |= {n.meta["pin"] for n in nodes if "pin" in n.meta}
-        self.workers += sorted(w for w in extra - names if w is not None)
+        extra = {**stored_on, **{n.meta["pin"]: None for n in nodes if "pin" in n.meta}}
+        self.workers += [w for w in extra if w not in self.workers]
         self.index = {w: i for i, w in enumerate(self.workers)}
         W = len(self.workers)
         self.speed = [cost.speed(w) for w in self.workers]
         links = [[cost.link(s, d) for d in self.workers] for s in self.workers]
         self.lat = [[lat for _, lat in row] for row in links]
         self.ibw = [[1.0 / bw for bw, _ in row] for row in links]
-        self.flops = [estimate_flops(n, values) for n in nodes]
         self.ct = [[f / s for s in self.speed] for f in self.flops]
-        producer = {v: i for i, n in enumerate(nodes) for v in n.outputs}
-        # Per node, its distinct inputs as (producer index or -1, stored worker, key, bytes).
-        self.key_of: dict[int, int] = {}
-        self.ins: list[tuple[tuple[int, int, int, int], ...]] = []
-        for n in nodes:
-            row = []
-            for vid in dict.fromkeys(n.inputs()):
-                key = self.key_of.setdefault(vid, len(self.key_of)) * W
-                nbytes = values[vid].meta.nbytes if vid in values else 0
-                p = producer.get(vid, -1)
-                if p >= 0:
-                    row.append((p, -1, key, nbytes))
-                    continue
-                location = values[vid].location if vid in values else None
-                if location is None:
-                    raise ValueError(
-                        f"value %{vid} read by {n.name} (recorded at "
-                        f"{n.meta.get('where', '<unknown>')}) is neither stored on a worker "
-                        "nor produced by the graph being placed"
-                    )
-                row.append((-1, self.index[location], key, nbytes))
-            self.ins.append(tuple(row))
-        self.vids = list(self.key_of)
+        self.ordered = cost.ordered_sends
+        index = self.index
+        # A copy of value k on worker w is keyed k * W + w: one flat int per (value, worker).
+        self.ins: list[tuple[tuple[int, int, int, int], ...]] = [
+            tuple((p, -1 if s is None else index[s], k * W, b) for p, s, k, b in row)
+            for row in rows
+        ]
         self._kept: tuple | None = None
-
-    def transfer(self, nbytes: int, src: int, dst: int) -> float:
-        return self.lat[src][dst] + nbytes * self.ibw[src][dst]
+        self.steps = 0  # nodes simulated so far: what searches budget their work in
 
     def run(self, wn: list[int], keep: bool = False) -> float:
         """Estimated finish time of the graph placed by `wn`."""
@@ -217,13 +245,19 @@ class Timeline:
             self._kept = (list(wn), fin, free_at, copies, t)
         return t
 
-    def rerun(self, wn: list[int], k: int) -> float:
-        """`run(wn)`, reusing the kept run for nodes before k."""
+    def rerun(self, wn: list[int], k: int, bound: float = math.inf) -> float:
+        """`run(wn)`, reusing the kept run for nodes before k. Stops early with a time over
+        `bound` once some node finishes after it: the whole graph cannot finish sooner."""
         _, fin0, free_at, copies0, _ = self._kept
         if k >= len(self.ins):
             return max(free_at[-1]) if free_at else 0.0
         fin = fin0.copy()
-        return self._simulate(wn, k, fin, list(free_at[k]), copies0, {}, None)
+        return self._simulate(wn, k, fin, list(free_at[k]), copies0, {}, None, bound)
+
+    def kept(self) -> tuple[list[float], dict[int, tuple[float, int]]]:
+        """(finish time of each node, copies made: key -> (arrival, node)) of the kept run."""
+        _, fin, _, copies, _ = self._kept
+        return fin, copies
 
     def state(self, k: int) -> tuple[list[float], list[float], dict[int, tuple[float, int]]]:
         """(finish times, worker free times, copies) of the kept run just before node k;
@@ -240,10 +274,10 @@ class Timeline:
             del copies[c]
         return fin.copy(), list(free_at[k]), copies
 
-    def _simulate(self, wn, k, fin, free, old, copies, free_at) -> float:
+    def _simulate(self, wn, k, fin, free, old, copies, free_at, bound=math.inf) -> float:
         # `old` holds copies made by an earlier run (with the node that made them); those made
         # before k are still valid. New copies go to `copies` (the same dict on a full run).
-        lat, ibw, ct, ins = self.lat, self.ibw, self.ct, self.ins
+        lat, ibw, ct, ins, ordered = self.lat, self.ibw, self.ct, self.ins, self.ordered
         for i in range(k, len(ins)):
             if free_at is not None:
                 free_at.append(free.copy())
@@ -262,6 +296,8 @@ class Timeline:
                     else:
                         c = copies.get(key + w)
                         if c is None:
+                            if ordered and free[s] > r:
+                                r = free[s]
                             c = (r + lat[s][w] + nbytes * ibw[s][w], i)
                             copies[key + w] = c
                         r = c[0]
@@ -270,6 +306,10 @@ class Timeline:
             t += ct[i][w]
             fin[i] = t
             free[w] = t
+            if t > bound:
+                self.steps += i + 1 - k
+                return t
+        self.steps += len(ins) - k
         if free_at is not None:
             free_at.append(free.copy())
         return max(free) if free else 0.0

@@ -8,17 +8,20 @@ meaning.
 `place` minimizes the estimated finish time of the graph under a `CostModel` (see cost.py):
 
 1. Alias units: the nodes that create, view or write one storage are contracted into one unit
-   (union-find over nodes and storages). A unit holding a tensor already stored on a worker is
-   fixed there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free.
+   (union-find over storages). A unit holding a tensor already stored on a worker is fixed
+   there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free.
 2. List scheduling in recording order (the order workers run their programs in): each free
    unit goes, at its first node, to the worker where that node finishes earliest, counting
    the transfers it waits for, plus the transfers its later nodes will need from data whose
    place is already known. A sequential chain therefore stays with its data, and a branch
-   moves to an idle worker only when the time it gains there beats the transfer.
-3. The naive placement and "every free unit on one worker" are candidates too; the best one
-   is refined by moving single units to other workers while the finish time improves, the
-   units on the critical path first, within a fixed budget of simulated node steps (so the
-   result is deterministic and a 10,000-node graph compiles in well under a second).
+   moves to an idle worker only when the time it gains there beats the transfer. Three
+   variants weigh the transfers a choice starts more or less (to keep data together).
+3. Those, the naive placement and "every free unit on one worker" are starting points. Each is
+   refined, the best first, by moves that take one unit to another worker, alone or followed
+   by a roll-out of the list scheduling for every unit decided after it (which moves a whole
+   branch). A move is kept when the finish time drops, or stays and fewer bytes move. Units on
+   the critical path are tried first; a fixed budget of simulated node steps bounds the
+   search, so the result is deterministic and a 10,000-node graph compiles in about 0.5 s.
 
 An optional memory cap bounds, per worker, the bytes of the storages whose home it is.
 """
@@ -26,17 +29,15 @@ An optional memory cap bounds, per worker, the bytes of the storages whose home 
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from networkx.utils import UnionFind
 
+from gridgraph.errors import PlacementError
 from gridgraph.schedule.cost import CostModel, Timeline
 from gridgraph.trace.graph import Node, Value
-
-
-class PlacementError(ValueError):
-    """The graph cannot be placed as asked: conflicting aliasing, an unknown pin, no room."""
 
 
 def storage_anchor(node: Node, values: dict[int, Value], where: dict[int, str]) -> str | None:
@@ -99,46 +100,61 @@ def alias_units(nodes: list[Node], values: Mapping[int, Value]) -> Units:
     already stored somewhere fixes its unit there; else the first `gg.on` pin in the unit
     does (the same rule as `naive_placement`, which lets a view follow its base).
     """
+    # Union-find over provisional units (the index of a unit's first node): a node joins
+    # the unit of a storage it views or writes; only a node touching two units merges them.
     uf = UnionFind()
+    unit_of: dict[int, int] = {}  # storage -> provisional unit
     located: dict[int, str] = {}  # storage -> worker holding it now
     size: dict[int, int] = {}  # storage -> bytes (its largest value)
-    for node in nodes:
-        uf[("n", node.id)]
+    provisional: list[int] = []
+    for i, node in enumerate(nodes):
         for vid in node.inputs():
             v = values[vid]
-            if v.location is not None:
-                located.setdefault(v.storage, v.location)
-                size[v.storage] = max(size.get(v.storage, 0), v.meta.nbytes)
+            if v.location is not None and v.storage not in located:
+                located[v.storage] = v.location
+                size[v.storage] = v.meta.nbytes
+        u = -1
         for vid in (*node.outputs, *(vid for _, vid in node.writes)):
             v = values.get(vid)
-            if v is not None:
-                uf.union(("n", node.id), ("s", v.storage))
-                size[v.storage] = max(size.get(v.storage, 0), v.meta.nbytes)
-    root_index: dict[object, int] = {}
+            if v is None:
+                continue
+            s = v.storage
+            if v.meta.nbytes > size.get(s, 0):
+                size[s] = v.meta.nbytes
+            other = unit_of.get(s)
+            if other is None:
+                u = i if u < 0 else u
+                unit_of[s] = u
+            elif u < 0:
+                u = other
+            elif other != u:
+                uf.union(u, other)
+        provisional.append(i if u < 0 else u)
+    merged = uf.parents
+
+    def root(u: int) -> int:
+        return uf[u] if u in merged else u
+
+    root_index: dict[int, int] = {}
     of: list[int] = []
     members: list[list[int]] = []
     fixed: list[str | None] = []
-    pinned: list[bool] = []
     for i, node in enumerate(nodes):
-        u = root_index.setdefault(uf[("n", node.id)], len(members))
-        if u == len(members):
+        u = root_index.setdefault(root(provisional[i]), len(members))
+        if u == len(members):  # units are numbered in the order of their first node
             members.append([])
             fixed.append(None)
-            pinned.append(False)
         of.append(u)
         members[u].append(i)
         if "pin" in node.meta and fixed[u] is None:
-            fixed[u], pinned[u] = node.meta["pin"], True
+            fixed[u] = node.meta["pin"]
     nbytes = [0] * len(members)
     stored: dict[str, int] = {}
     first_holder: list[str | None] = [None] * len(members)
     for s, w in located.items():
         stored[w] = stored.get(w, 0) + size[s]
-    for s in sorted(size, key=str):
-        key = ("s", s)
-        u = root_index.get(uf[key]) if key in uf.parents else None
-        if u is None:
-            continue  # a storage only read in this graph
+    for s in sorted(unit_of):  # storages only read in this graph belong to no unit
+        u = root_index[root(unit_of[s])]
         if s not in located:
             nbytes[u] += size[s]
             continue
@@ -158,9 +174,12 @@ def alias_units(nodes: list[Node], values: Mapping[int, Value]) -> Units:
 
 # --- place --------------------------------------------------------------------------------
 
-# Simulated node steps the refinement may spend, per graph (a deterministic time budget:
-# about 1 us each, so a 10,000-node graph compiles in well under a second).
-REFINE_STEPS = 300_000
+# Simulated node steps the refinement may spend on a graph: a deterministic time budget
+# (a step is about a microsecond). The rest of the compiler costs about 40 steps per node,
+# so large graphs get less, and a 10,000-node graph compiles in about half a second.
+REFINE_STEPS = 500_000
+MIN_REFINE_STEPS = 100_000
+GREEDY_ALPHAS = (0.0, 0.25, 1.0)
 
 
 def place(
@@ -169,11 +188,13 @@ def place(
     workers: list[str],
     cost: CostModel | None = None,
     memory_cap: int | Mapping[str, int] | None = None,
+    effort: float = 1.0,
 ) -> dict[int, str]:
     """Node id -> worker name, minimizing the estimated finish time under `cost`.
 
     `nodes` in recording order; `memory_cap`: bytes per worker (one number for all, or per
-    worker name) of the storages whose home is that worker. Deterministic.
+    worker name) of the storages whose home is that worker; `effort` scales the refinement
+    budget (0: list scheduling only, fastest; 1: about 0.5 s at most). Deterministic.
 
     >>> placement = place(nodes, graph.values, ["w0", "w1", "w2"], CostModel.pubsub())
     >>> plan = split(nodes, placement, graph.values, keep)
@@ -181,6 +202,8 @@ def place(
     if not nodes:
         return {}
     workers = list(workers)
+    if not workers:
+        raise PlacementError("no workers to place the graph on")
     for node in nodes:
         if node.meta.get("pin", workers[0]) not in workers:
             raise PlacementError(
@@ -192,25 +215,51 @@ def place(
     # heap in between would cost more than the search itself.
     gc.disable()
     try:
-        return _place(nodes, values, workers, cost, memory_cap)
+        return _place(nodes, values, workers, cost, memory_cap, effort)
     finally:
         if collecting:
             gc.enable()
 
 
-def _place(nodes, values, workers, cost, memory_cap) -> dict[int, str]:
+def _place(nodes, values, workers, cost, memory_cap, effort) -> dict[int, str]:
     units = alias_units(nodes, values)
     tl = Timeline(nodes, values, workers, cost)
     room = _room(tl, units, memory_cap)
     search = _Search(tl, units, room, [tl.index[w] for w in workers])
-    candidates = [search.greedy()[0]]
-    candidates.append(search.from_nodes(tl.encode(naive_placement(nodes, values))))
-    candidates += [search.all_on(w) for w in search.free_workers]
-    best = min(
-        (c for c in candidates if c is not None and search.fits(c)),
-        key=lambda uw: (tl.run(search.expand(uw)), tl.bytes_moved(search.expand(uw))),
-    )
-    return tl.decode(search.expand(search.refine(best)))
+    # Starting points: list scheduling that weighs the transfers a choice starts by alpha
+    # (more weight keeps data together; which is best depends on the graph), the naive
+    # placement, and everything free on one worker. Each is refined, best first, while the
+    # budget lasts: small graphs refine them all, large ones mostly the best.
+    starts: dict[tuple[int, ...], tuple[float, int, float]] = {}
+    no_room: PlacementError | None = None
+    for alpha in GREEDY_ALPHAS:
+        search.alpha = alpha
+        try:
+            uw, t = search.greedy()
+        except PlacementError as e:  # under a memory cap; another start may still fit
+            no_room = no_room or e
+            continue
+        starts.setdefault(tuple(uw), (t, tl.bytes_moved(search.expand(uw)), alpha))
+    naive = search.from_nodes(tl.encode(naive_placement(nodes, values)))
+    for uw in [naive] + [search.all_on(w) for w in search.free_workers]:
+        if uw is not None and search.fits(uw):
+            wn = search.expand(uw)
+            starts.setdefault(tuple(uw), (tl.run(wn), tl.bytes_moved(wn), 0.0))
+    if not starts:
+        raise no_room
+    steps = effort * max(MIN_REFINE_STEPS, REFINE_STEPS - 40 * len(nodes))
+    best: tuple[float, int, list[int]] | None = None
+    for uw, (t, b, alpha) in sorted(starts.items(), key=lambda s: s[1][:2]):
+        if best is not None and steps < 2 * len(nodes):
+            break
+        if steps <= 0:
+            best = (t, b, list(uw))
+            break
+        search.alpha = alpha
+        uw, t, b, steps = search.refine(list(uw), steps)
+        if best is None or (t, b) < best[:2]:
+            best = (t, b, uw)
+    return tl.decode(search.expand(best[2]))
 
 
 def _room(tl: Timeline, units: Units, cap: int | Mapping[str, int] | None) -> list[float]:
@@ -242,6 +291,7 @@ class _Search:
         self.fixed = [-1 if w is None else tl.index[w] for w in units.fixed]
         self.first = [m[0] for m in units.members]
         self.later, self.pushed = self._affinity()
+        self.alpha = 0.0  # weight of the transfers a choice starts, on top of its finish
 
     def expand(self, uw: list[int]) -> list[int]:
         return [uw[u] for u in self.units.of]
@@ -267,19 +317,22 @@ class _Search:
     def all_on(self, w: int) -> list[int]:
         return [w if f < 0 else f for f in self.fixed]
 
-    def greedy(self, roll: tuple | None = None) -> tuple[list[int], float]:
+    def greedy(self, roll: tuple | None = None, bound: float = math.inf) -> tuple[list[int], float]:
         """List scheduling in recording order: each free unit goes, at its first node, where
-        that node finishes earliest (plus the transfers its known data will need).
+        that node finishes earliest, counting also the transfers its later nodes will need
+        from data whose place is known, and `self.alpha` times the transfers it starts now.
 
         From scratch, or as a roll-out `roll` = (uw, wn, load, unit, worker) of the kept run
         from the unit's first node k: units first seen before k keep their worker, the unit
         goes to the worker, the free units after it are decided again. Returns the
-        assignment and its finish time.
+        assignment and its finish time, or early, with a time over `bound`, once a node
+        finishes after `bound`.
         """
         tl, units, fixed, first = self.tl, self.units, self.fixed, self.first
         lat, ibw, ct, ins, of = tl.lat, tl.ibw, tl.ct, tl.ins, units.of
         later, pushed, room, nbytes = self.later, self.pushed, self.room, units.nbytes
         n = len(ins)
+        alpha, ordered = self.alpha, tl.ordered
         if roll is None:
             k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
             load = [0.0] * len(tl.workers)
@@ -304,7 +357,7 @@ class _Search:
                 for w in self.free_workers:
                     if load[w] + nbytes[u] > room[w]:
                         continue
-                    t, local = free[w], 0
+                    t, local, pen = free[w], 0, 0.0
                     for p, s, key, nb in ins[i]:
                         if p >= 0:
                             s, r = wn[p], fin[p]
@@ -312,11 +365,19 @@ class _Search:
                             r = 0.0
                         if s != w:
                             c = copies.get(key + w)
-                            r = c[0] if c is not None else r + lat[s][w] + nb * ibw[s][w]
+                            if c is not None:
+                                r = c[0]
+                            else:
+                                if ordered and free[s] > r:
+                                    r = free[s]
+                                x = lat[s][w] + nb * ibw[s][w]
+                                r += x
+                                pen += x
                         else:
                             local += nb
                         if r > t:
                             t = r
+                    t += alpha * pen
                     # Data this unit's later nodes read, or fixed units read from it.
                     for p, s, nb in later[u]:
                         src = wn[p] if p >= 0 else s
@@ -348,11 +409,17 @@ class _Search:
                 if s != w:
                     c = copies.get(key + w)
                     if c is None:
+                        if ordered and free[s] > r:
+                            r = free[s]
                         c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
                     r = c[0]
                 if r > t:
                     t = r
-            fin[i] = free[w] = t + ct[i][w]
+            fin[i] = free[w] = t = t + ct[i][w]
+            if t > bound:
+                tl.steps += 4 * (i + 1 - k)  # scoring every worker: about four plain steps
+                return uw, t
+        tl.steps += 4 * (n - k)
         return uw, max(free, default=0.0)
 
     def _affinity(self) -> tuple[list[list[tuple]], list[list[tuple]]]:
@@ -379,8 +446,9 @@ class _Search:
                     pushed[units.of[p]].append((dst, nbytes))
         return later, pushed
 
-    def refine(self, uw: list[int], steps: int = REFINE_STEPS) -> list[int]:
-        """Improve `uw` by moves while the finish time drops and `steps` last.
+    def refine(self, uw: list[int], steps: int) -> tuple[list[int], float, int, int]:
+        """Improve `uw` by moves while the finish time drops and `steps` last; returns the
+        assignment, its finish time and bytes moved, and the steps left.
 
         A move takes one unit to another worker, either alone or followed by a greedy
         roll-out of every unit decided after it (which moves a whole branch with it). The
@@ -388,44 +456,55 @@ class _Search:
         """
         tl, units = self.tl, self.units
         n = len(tl.ins)
+        budget = tl.steps + steps
         wn = self.expand(uw)
-        best = tl.run(wn, keep=True)
-        steps -= n
+        best, best_bytes = tl.run(wn, keep=True), tl.bytes_moved(wn)
         load = self.load(uw)
         improved = True
-        while improved and steps > 0:
+        while improved and tl.steps < budget:
             improved = False
-            steps -= n
+            tl.steps += n  # the critical path
             for u in self._critical_units(wn):
                 k = self.first[u]
                 for w in self.free_workers:
                     here = uw[u]
-                    if w == here or steps <= 0 or load[w] + units.nbytes[u] > self.room[w]:
+                    if w == here or tl.steps >= budget:
                         continue
-                    # Cost in simulated node steps: a roll-out weighs about four.
-                    steps -= 5 * (n - k) + n // 20
-                    roll, t_roll = self.greedy((uw, wn, load, u, w))
+                    if load[w] + units.nbytes[u] > self.room[w]:
+                        continue
+                    tl.steps += n // 20  # copying the state at k
+                    bound = best * (1 + 1e-9)
+                    try:
+                        roll, t_roll = self.greedy((uw, wn, load, u, w), bound)
+                    except PlacementError:  # the roll-out ran out of memory: no move
+                        roll, t_roll = uw, math.inf
                     for i in units.members[u]:
                         wn[i] = w
-                    t = tl.rerun(wn, k)
+                    t = tl.rerun(wn, k, bound)
                     for i in units.members[u]:
                         wn[i] = here
-                    if min(t, t_roll) >= best * (1 - 1e-9):
-                        continue
-                    if t_roll < t:
-                        uw = roll
-                    else:
-                        uw[u] = w
-                    wn, load = self.expand(uw), self.load(uw)
-                    best, improved = tl.run(wn, keep=True), True
-                    steps -= 2 * n
-        return uw
+                    moved = list(uw)
+                    moved[u] = w
+                    options = sorted([(t_roll, roll), (t, moved)], key=lambda c: c[0])
+                    for t_new, uw_new in options:
+                        if t_new > bound:
+                            break
+                        # Better, or as good and moving fewer bytes.
+                        wn_new = self.expand(uw_new)
+                        b = tl.bytes_moved(wn_new)
+                        tl.steps += n // 2
+                        if t_new < best * (1 - 1e-9) or b < best_bytes:
+                            uw, wn, load = uw_new, wn_new, self.load(uw_new)
+                            best, best_bytes, improved = tl.run(wn, keep=True), b, True
+                            break
+        steps = budget - tl.steps
+        return uw, best, best_bytes, steps
 
     def _critical_units(self, wn: list[int]) -> list[int]:
         """Free units along the critical path of the kept run, latest first, then the rest
         in recording order when the graph is small enough to try them all."""
         tl, units = self.tl, self.units
-        _, fin, _, copies, _ = tl._kept
+        fin, copies = tl.kept()
         n = len(tl.ins)
         prev_on = [-1] * n  # the node before each on its worker
         last = [-1] * len(tl.workers)

@@ -9,9 +9,10 @@ A worker's program is a list of steps in one global topological order (recording
     return value               send a value back to the client with the reply
 
 Because every worker follows the same global order, a `recv` always waits for a `send` that
-comes earlier in that order, so the programs cannot deadlock. A send is emitted at the
-position of its consumer, after everything recorded before it: that is what keeps a value
-that is written later from being sent too late or too early.
+comes earlier in that order, so the programs cannot deadlock. A send goes right after the
+last step that made its value current: the call that produced it, or the last write to its
+storage recorded before the reader. So a value is sent as early as it can be, and a write
+recorded after the reader cannot leak into what the reader sees.
 
 Steps are grouped into stages: a worker's stage grows by one exactly where it needs a value
 from another worker. A worker receives all its stages in one message and moves on to the next
@@ -161,7 +162,12 @@ def split(
     home: dict[int, str] = {}  # value id -> worker that owns it after the run
     present: dict[str, set[int]] = defaultdict(set)  # values on each worker, copies included
     stage: dict[str, int] = defaultdict(int)  # each worker's current stage
-    programs: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    steps: dict[str, list[tuple[int, tuple]]] = defaultdict(list)  # worker -> (stage, step)
+    # Sends go right after the step that made their value current, not at the reader's
+    # position: worker -> index of that step (-1: before all) -> sends attached there.
+    sends: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    ready: dict[int, int] = {}  # value id -> index of the call that produced it
+    last_write: dict[int, int] = {}  # storage -> index of the last call that wrote it
     transfers: list[TransferEdge] = []
 
     def where(vid: int) -> str:
@@ -174,6 +180,10 @@ def split(
         present[location].add(vid)
         return location
 
+    def storage(vid: int) -> int | None:
+        value = values.get(vid)
+        return value.storage if value is not None else None
+
     dynamic_slots: dict[int, int] = {}
     for node in nodes:
         w = placement[node.id]
@@ -183,15 +193,18 @@ def split(
             src = where(vid)
             if vid in present[w]:
                 continue
-            # Send at the consumer's position in the global order (see module docstring).
-            s_src = stage[src]
-            programs[src][s_src].append(("send", b.slot(vid), w))
+            # Everything recorded before this reader that wrote the value's storage is on
+            # `src` already (writes run where their storage lives), so this is the earliest
+            # point at which the value has the contents the reader must see.
+            at = max(ready.get(vid, -1), last_write.get(storage(vid), -1))
+            s_src = steps[src][at][0] if at >= 0 else 0
+            sends[src][at].append(("send", b.slot(vid), w))
             transfers.append(TransferEdge(vid, src, w, _nbytes(values, vid)))
             present[w].add(vid)
             recvs.append(("recv", b.slot(vid), src))
             s = max(s, s_src + 1)
         stage[w] = s
-        programs[w][s].extend(recvs)
+        steps[w].extend((s, r) for r in recvs)
         outs = [b.slot(v) for v in node.outputs]
         writes = [(path, b.slot(vid)) for path, vid in node.written_args]
         args = b.template(list(node.args))
@@ -199,18 +212,27 @@ def split(
         report = node.id in dynamic
         if report:
             dynamic_slots[node.id] = outs[0]
-        programs[w][s].append(("call", node.name, args, kwargs, outs, writes, report))
+        at = len(steps[w])
+        steps[w].append((s, ("call", node.name, args, kwargs, outs, writes, report)))
         for v in node.outputs:
             home[v] = w
             present[w].add(v)
+            ready[v] = at
+        for _, vid in node.writes:
+            last_write[storage(vid)] = at
 
     for vid in fetch:
         w = where(vid)
-        programs[w][stage[w]].append(("return", b.slot(vid)))
+        steps[w].append((stage[w], ("return", b.slot(vid))))
 
-    stage_lists = {
-        w: [by_stage.get(i, []) for i in range(stage[w] + 1)] for w, by_stage in programs.items()
-    }
+    stage_lists: dict[str, list[list[tuple]]] = {}
+    for w in set(steps) | set(sends):
+        stages: list[list[tuple]] = [[] for _ in range(stage[w] + 1)]
+        stages[0].extend(sends[w].get(-1, ()))
+        for i, (st, step) in enumerate(steps[w]):
+            stages[st].append(step)
+            stages[st].extend(sends[w].get(i, ()))
+        stage_lists[w] = stages
     for w, stages in stage_lists.items():
         # Copies received from other workers, and whatever no one needs after the run.
         drop = {v for v in present[w] if home.get(v) != w or v not in keep}

@@ -49,10 +49,13 @@ class DataDependent(Exception):
 
 
 class OutputSpec(NamedTuple):
-    """The structure of an op's result: `kind` is 'tensor', 'tuple', 'list' or 'none'."""
+    """The structure of an op's result: `kind` is 'tensor', 'tuple', 'list' or 'none'.
+
+    A tuple may hold None where the op returns no tensor (convolution_backward for a
+    gradient nobody asked for)."""
 
     kind: str
-    metas: tuple[TensorMeta, ...]
+    metas: tuple[TensorMeta | None, ...]
 
 
 _cache: dict[Any, OutputSpec] = {}
@@ -81,8 +84,10 @@ def _spec_of(out: Any) -> OutputSpec:
         return OutputSpec("tensor", (TensorMeta.of(out),))
     if out is None:
         return OutputSpec("none", ())
-    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+    if isinstance(out, (tuple, list)) and all(
+        isinstance(o, torch.Tensor) or o is None for o in out
+    ):
         kind = "tuple" if isinstance(out, tuple) else "list"
-        return OutputSpec(kind, tuple(TensorMeta.of(o) for o in out))
+        return OutputSpec(kind, tuple(None if o is None else TensorMeta.of(o) for o in out))
     # A Python value (bool, int, ...) is data: the op must run for real.
     raise DataDependent(f"returns {type(out).__name__}")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from gridgraph.errors import RecordError
+from gridgraph.errors import PlacementError, RecordError
 from gridgraph.trace.graph import Const, Graph, Node, Ref
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
 
@@ -50,6 +50,8 @@ class Owner(Protocol):
     def make_pointer(self, value_id: int) -> RemoteTensor: ...
 
     def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
+
+    def discard(self, node: Node) -> None: ...
 
 
 # --- trace() -----------------------------------------------------------------------------
@@ -289,6 +291,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     outputs: list[int] = []
     covered_writes: set[Any] = set()
     for i, meta in enumerate(spec.metas):
+        if meta is None:  # the op returned no tensor here
+            results.append(None)
+            continue
         src, is_write = alias.returns[min(i, len(alias.returns) - 1)]
         if src is None:
             value = graph.add_value(meta, producer=node.id)
@@ -330,13 +335,27 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     node.written_args = tuple(rebinds)
 
     # Pointers: rebind written ones to their new version, make fresh ones for the rest.
-    for i, r in enumerate(results):
+    undo: list[tuple[Any, int]] = []  # (pointer, the value it named before)
+    returned = iter(outputs)
+    for r in results:
+        vid = next(returned) if r is not None else None
         if isinstance(r, pointer_type):
-            owner.rebind(r, outputs[i])
+            undo.append((r, r._vid))
+            owner.rebind(r, vid)
     for path, vid in rebinds:
-        owner.rebind(_pointer_at(args, kwargs, path), vid)
-    out = [r if isinstance(r, pointer_type) else owner.make_pointer(r) for r in results]
-    owner.record(node, eager=not tracing())
+        p = _pointer_at(args, kwargs, path)
+        undo.append((p, p._vid))
+        owner.rebind(p, vid)
+    out = [r if r is None or isinstance(r, pointer_type) else owner.make_pointer(r)
+           for r in results]  # fmt: skip
+    try:
+        owner.record(node, eager=not tracing())
+    except PlacementError:
+        # Nothing ran: leave every pointer naming what it named before the call.
+        for p, vid in reversed(undo):
+            owner.rebind(p, vid)
+        owner.discard(node)
+        raise
     return _structure(spec.kind, out)
 
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from ipfs_fixtures import Inbox, kubo_nodes  # noqa: F401  (fixture)
+from ipfs_fixtures import Inbox
 
 from gridgraph.exec.ipfs_nodes import NodeInfo
 from gridgraph.exec.ipfs_transport import INLINE_MAX, IpfsTransport
@@ -20,7 +20,7 @@ pytestmark = [
 
 
 @pytest.fixture
-def transports(kubo_nodes: list[NodeInfo]) -> Iterator[list[IpfsTransport]]:  # noqa: F811
+def transports(kubo_nodes: list[NodeInfo]) -> Iterator[list[IpfsTransport]]:
     endpoints = [IpfsTransport(node.api) for node in kubo_nodes]
     yield endpoints
     for endpoint in endpoints:
@@ -32,7 +32,7 @@ def topic() -> str:
     return f"test/{uuid.uuid4()}"
 
 
-def test_identity_is_the_peer_id(transports, kubo_nodes):  # noqa: F811
+def test_identity_is_the_peer_id(transports, kubo_nodes):
     assert [t.identity for t in transports] == [n.peer_id for n in kubo_nodes]
 
 
@@ -63,7 +63,7 @@ def test_every_subscriber_receives_but_not_the_publisher(transports, topic):
     assert inboxes[0].empty_after(0.5)  # Kubo echoes our own messages; the transport drops them
 
 
-def test_deliver_own_hands_back_our_own_messages(kubo_nodes, topic):  # noqa: F811
+def test_deliver_own_hands_back_our_own_messages(kubo_nodes, topic):
     transport = IpfsTransport(kubo_nodes[0].api, deliver_own=True)
     try:
         inbox = Inbox()

@@ -7,7 +7,6 @@ import time
 import uuid
 
 import pytest
-from ipfs_fixtures import kubo_nodes  # noqa: F401  (fixture)
 
 from gridgraph.exec.kubo import MAX_BLOCK_SIZE, Kubo, PubsubMessage
 
@@ -27,14 +26,14 @@ def wait_for_subscriber(kubo: Kubo, topic: str, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_version_and_id(kubo_nodes):  # noqa: F811
+def test_version_and_id(kubo_nodes):
     kubo = Kubo(kubo_nodes[0].api)
     assert kubo.version() == "0.43.1"
     assert kubo.id() == kubo_nodes[0].peer_id
     assert set(kubo.swarm_peers()) == {n.peer_id for n in kubo_nodes[1:]}
 
 
-def test_pubsub_round_trip_every_byte_value(kubo_nodes):  # noqa: F811
+def test_pubsub_round_trip_every_byte_value(kubo_nodes):
     publisher, subscriber = Kubo(kubo_nodes[0].api), Kubo(kubo_nodes[1].api)
     topic = f"test/{uuid.uuid4()} with spaces & ünïcode"
     stream = subscriber.pubsub_sub(topic)
@@ -51,7 +50,7 @@ def test_pubsub_round_trip_every_byte_value(kubo_nodes):  # noqa: F811
     assert len(received[0].seqno) == 8
 
 
-def test_subscription_close_unblocks_reader(kubo_nodes):  # noqa: F811
+def test_subscription_close_unblocks_reader(kubo_nodes):
     stream = Kubo(kubo_nodes[0].api).pubsub_sub(f"test/{uuid.uuid4()}")
     reader = threading.Thread(target=lambda: list(stream))
     reader.start()
@@ -61,14 +60,14 @@ def test_subscription_close_unblocks_reader(kubo_nodes):  # noqa: F811
     assert not reader.is_alive()
 
 
-def test_block_put_then_get_from_another_node(kubo_nodes):  # noqa: F811
+def test_block_put_then_get_from_another_node(kubo_nodes):
     data = EVERY_BYTE + uuid.uuid4().bytes  # unique, so node 1 cannot already have it
     cid = Kubo(kubo_nodes[0].api).block_put(data)
     assert cid.startswith("bafkrei")  # CIDv1, raw codec, sha2-256
     assert Kubo(kubo_nodes[1].api).block_get(cid, timeout=10) == data
 
 
-def test_block_put_refuses_more_than_1_mib(kubo_nodes):  # noqa: F811
+def test_block_put_refuses_more_than_1_mib(kubo_nodes):
     kubo = Kubo(kubo_nodes[0].api)
     kubo.block_put(b"x" * MAX_BLOCK_SIZE)
     with pytest.raises(ValueError, match="exceeds"):

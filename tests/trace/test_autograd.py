@@ -122,3 +122,19 @@ def test_training_leaves_object_count_flat(local_grid):
     assert {w: s["objects"] for w, s in after.items()} == {
         w: s["objects"] for w, s in before.items()
     }
+
+
+def test_backward_with_unrequested_grads_stays_deferred(local_grid):
+    """convolution_backward returns None for grads nobody needs; that is not data-dependent."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(2, 3, 3, bias=False)
+    local = copy.deepcopy(conv)
+    conv.send(local_grid.workers[0])
+    X = torch.randn(1, 2, 5, 5)
+    x = gg.send(X, local_grid.workers[1])  # the input does not require grad
+    local_grid.reset_stats()
+    with gg.trace():
+        conv(x).sum().backward()
+    assert local_grid.stats()["messages"] == 0  # still recorded, nothing ran
+    local(X).sum().backward()
+    torch.testing.assert_close(conv.weight.grad.get(), local.weight.grad)

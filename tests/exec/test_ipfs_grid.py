@@ -1,0 +1,486 @@
+"""Grids over real Kubo daemons and worker processes: discovery, exactness, lost, repeated and
+hostile messages, killed workers, leases.
+
+The shared fixtures (tests/conftest.py imports them from ipfs_fixtures.py): three Kubo nodes,
+workers w0, w1, w2 (one per node) and `ipfs_grid`, a client on node 0. Tests that kill a
+worker or need a short lease start their own worker process, so the shared ones survive.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import msgpack
+import pytest
+import torch
+from ipfs_fixtures import WorkerProcess, start_workers, stop_all
+
+import gridgraph as gg
+from gridgraph.cli import main
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs import GridTransport, grid_over, spawn_worker
+from gridgraph.exec.ipfs_nodes import NodeInfo
+from gridgraph.exec.ipfs_transport import pack_blocks
+from gridgraph.exec.kubo import Kubo, KuboError
+from gridgraph.exec.transport import Handler, Transport
+from gridgraph.exec.worker import worker_topic
+from gridgraph.schedule.plan import Slot
+
+pytestmark = [
+    pytest.mark.ipfs,
+    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
+]
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+class Tap(Transport):
+    """Wraps an endpoint: `outgoing(topic, payload)` says how many times to really publish,
+    `incoming(topic, payload)` whether to deliver. Counts what it dropped and repeated."""
+
+    def __init__(
+        self,
+        inner: Transport,
+        outgoing: Callable[[str, bytes], int] = lambda t, p: 1,
+        incoming: Callable[[str, bytes], bool] = lambda t, p: True,
+    ) -> None:
+        super().__init__()
+        self.inner, self.outgoing, self.incoming = inner, outgoing, incoming
+        self.identity, self.sent = inner.identity, inner.sent
+        self.dropped = self.repeated = 0
+
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        times = self.outgoing(topic, payload)
+        self.dropped += times == 0
+        self.repeated += max(times - 1, 0)
+        for _ in range(times):
+            self.inner.publish(topic, payload, counted)
+
+    def subscribe(self, topic: str, handler: Handler) -> None:
+        def filtered(sender: str, payload: bytes) -> None:
+            if self.incoming(topic, payload):
+                handler(sender, payload)
+            else:
+                self.dropped += 1
+
+        self.inner.subscribe(topic, filtered)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Raw:
+    """A bare peer that sends hand-made requests to workers and collects the replies."""
+
+    def __init__(self, api: str) -> None:
+        self.transport = GridTransport(api, deliver_own=True)
+        self.topic = f"test.raw.{uuid.uuid4().hex}"
+        self.replies: queue.Queue[dict] = queue.Queue()
+        self.transport.subscribe(self.topic, lambda s, p: self.replies.put(wire.decode(p)))
+
+    def send(self, worker: str, msg: dict) -> str:
+        rid = uuid.uuid4().hex
+        self.publish(worker, wire.encode({"id": rid, "reply_to": self.topic, **msg}))
+        return rid
+
+    def publish(self, worker: str, payload: bytes) -> None:
+        self.transport.publish(worker_topic(worker), payload)
+
+    def request(self, worker: str, msg: dict, timeout: float = 15.0) -> dict:
+        """Send, resending the same request id until its reply comes."""
+        rid = uuid.uuid4().hex
+        payload = wire.encode({"id": rid, "reply_to": self.topic, "free": [], **msg})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.publish(worker, payload)
+            try:
+                while True:
+                    reply = self.replies.get(timeout=0.5)
+                    if reply.get("re") == rid:
+                        return reply
+            except queue.Empty:
+                continue
+        raise TimeoutError(f"no reply from {worker} to {msg.get('kind')}")
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@pytest.fixture
+def raw_peer(kubo_nodes: list[NodeInfo]) -> Iterator[Raw]:
+    raw = Raw(kubo_nodes[2].api)  # not the node of ipfs_grid's client
+    yield raw
+    raw.close()
+
+
+def names(workers: list[WorkerProcess]) -> list[str]:
+    return [w.name for w in workers]
+
+
+def ops_run(grid: gg.Grid) -> dict[str, int]:
+    return {w: s["ops_run"] for w, s in grid.stats()["workers"].items()}
+
+
+def objects(grid: gg.Grid) -> dict[str, int]:
+    return {w: s["objects"] for w, s in grid.stats()["workers"].items()}
+
+
+# --- discovery ------------------------------------------------------------------------------
+
+
+def test_connect_finds_the_live_workers(ipfs_grid):
+    assert [w.name for w in ipfs_grid.workers] == ["w0", "w1", "w2"]
+    assert set(ipfs_grid.stats()["workers"]) == {"w0", "w1", "w2"}
+    assert "open" in repr(ipfs_grid)
+
+
+def test_connect_without_enough_workers_says_so(kubo_nodes, ipfs_workers):
+    start = time.monotonic()
+    with pytest.raises(gg.GridError, match=r"10 workers .* found 3 \(w0, w1, w2\)"):
+        gg.connect(ipfs=kubo_nodes[0].api, min_workers=10, timeout=2)
+    assert time.monotonic() - start < 6
+
+
+def test_connect_to_a_dead_node_says_where(tmp_path):
+    with pytest.raises(KuboError, match="127.0.0.1"):
+        gg.connect(ipfs="/ip4/127.0.0.1/tcp/9", timeout=1)
+
+
+# --- exact results over the wire ------------------------------------------------------------
+
+
+def test_10mb_tensor_round_trip_is_exact(ipfs_grid):
+    t = torch.randn(10 * 2**20 // 4)
+    ipfs_grid.reset_stats()
+    p = t.send(ipfs_grid.workers[2])  # another node than the client's
+    assert torch.equal(p.get(), t)
+    assert ipfs_grid.stats()["bytes"] > 2 * t.nbytes
+
+
+def test_cross_worker_ops_are_exact_with_the_same_counts_as_local(ipfs_grid):
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 32), torch.randn(64, 32)
+
+    def run(grid: gg.Grid) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        _, w1, w2 = grid.workers
+        x, y = a.send(w1), b.send(w2)
+        grid.reset_stats()
+        with gg.trace():
+            z = (x * y + x).relu()
+            m = x @ y.T
+        out = z.get(), m.get()
+        stats = grid.stats()
+        return *out, {"messages": stats["messages"], "ops": ops_run(grid)}
+
+    z, m, counts = run(ipfs_grid)
+    assert torch.equal(z, (a * b + a).relu())
+    torch.testing.assert_close(m, a @ b.T)
+    with gg.local_grid(3) as local:
+        assert counts == run(local)[2]
+
+
+def test_a_training_loop_matches_local_torch(ipfs_grid):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    remote = copy.deepcopy(model)
+    X, Y = torch.randn(32, 8), torch.randn(32, 2)
+    w0, w1, w2 = ipfs_grid.workers
+    remote[0].send(w1)
+    remote[2].send(w2)
+    x, y = X.send(w1), Y.send(w2)
+    opt_l = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(remote.parameters(), lr=0.1)
+    for _ in range(5):
+        opt_l.zero_grad()
+        loss_l = torch.nn.functional.mse_loss(model(X), Y)
+        loss_l.backward()
+        opt_l.step()
+        with gg.trace():
+            opt_r.zero_grad()
+            loss_r = torch.nn.functional.mse_loss(remote(x), y)
+            loss_r.backward()
+            opt_r.step()
+        assert loss_r.item() == pytest.approx(loss_l.item(), rel=1e-5)
+    torch.testing.assert_close(remote[2].weight.get(), model[2].weight.detach())
+
+
+# --- best-effort delivery -------------------------------------------------------------------
+
+
+def test_duplicated_requests_run_once(kubo_nodes, ipfs_workers):
+    def twice(topic: str, payload: bytes) -> int:
+        return 2 if topic.startswith("gridgraph.worker.") else 1
+
+    tap = Tap(GridTransport(kubo_nodes[0].api, deliver_own=True), outgoing=twice)
+    with grid_over(tap, workers=names(ipfs_workers), timeout=30) as grid:
+        a = torch.randn(100)
+        x = a.send(grid.workers[1])
+        grid.reset_stats()
+        with gg.trace():
+            y = x * 2 + 1
+        assert torch.equal(y.get(), a * 2 + 1)
+        assert ops_run(grid) == {"w0": 0, "w1": 2, "w2": 0}  # mul, add: once each
+        assert tap.repeated >= 5
+
+
+def test_dropped_requests_and_replies_are_resent(kubo_nodes, ipfs_workers):
+    seen_out: set[bytes] = set()
+    seen_in: set[str] = set()
+
+    def first_dropped(topic: str, payload: bytes) -> int:
+        payload = bytes(payload)
+        if not topic.startswith("gridgraph.worker.") or payload in seen_out:
+            return 1
+        seen_out.add(payload)
+        return 0
+
+    def first_reply_dropped(topic: str, payload: bytes) -> bool:
+        msg = wire.decode(payload)
+        if msg.get("kind") != "reply" or msg["re"] in seen_in:
+            return True
+        seen_in.add(msg["re"])
+        return False
+
+    tap = Tap(
+        GridTransport(kubo_nodes[0].api, deliver_own=True), first_dropped, first_reply_dropped
+    )
+    with grid_over(tap, workers=["w2"], timeout=30, retry_after=0.3) as grid:
+        a = torch.randn(100)
+        x = a.send(grid.workers[0])
+        grid.reset_stats()
+        with gg.trace():
+            y = x * 2 + 1
+        assert torch.equal(y.get(), a * 2 + 1)
+        assert ops_run(grid) == {"w2": 2}  # the resent run was answered from the reply cache
+        assert tap.dropped >= 6
+
+
+# --- identity and hostile input -------------------------------------------------------------
+
+
+def test_another_peer_cannot_read_use_or_free_a_tensor(ipfs_grid, raw_peer):
+    a = torch.randn(16)
+    x = a.send(ipfs_grid.workers[1])
+    session, vid = ipfs_grid.client.session, x._vid
+    steal = {
+        "kind": "run",
+        "run": 1,
+        "plan": 1,
+        "program": [[["return", 0]]],
+        "slots": [vid],
+        "params": [],
+        "session": session,
+    }
+    reply = raw_peer.request("w1", steal)
+    assert not reply["ok"] and "not stored here" in reply["error"]["message"]
+    use = {
+        **steal,
+        "program": [
+            [["call", "aten::mul.Tensor", [Slot(0), Slot(0)], {}, [1], [], False], ["return", 1]]
+        ],
+        "slots": [vid, 10**6],
+    }
+    assert not raw_peer.request("w1", use)["ok"]
+    assert raw_peer.request("w1", {"kind": "free", "free": [vid], "session": session})["ok"]
+    assert raw_peer.request("w1", {"kind": "bye", "session": session})["freed"] == 0
+    assert torch.equal(x.get(), a)
+
+
+def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers):
+    a = torch.randn(32)
+    x = a.send(ipfs_grid.workers[1])
+    session, vid = ipfs_grid.client.session, x._vid
+    kubo = raw_peer.transport.kubo
+    topic = worker_topic("w1")
+    # Dropped before any reply is possible: logged by the worker.
+    kubo.pubsub_pub(topic, b"\x00not an envelope")
+    raw_peer.publish("w1", os.urandom(1000))  # an envelope of garbage
+    raw_peer.publish("w1", msgpack.packb(["not", "a", "map"]))
+    raw_peer.publish("w1", wire.encode({"kind": "run", "program": []}))  # no id, no reply_to
+    header = msgpack.packb({"kind": "put", "id": "x", "reply_to": raw_peer.topic, "values": [
+        [1, msgpack.ExtType(3, msgpack.packb(["float32", [2**40], 0, 4]))]]})  # fmt: skip
+    raw_peer.publish("w1", len(header).to_bytes(4, "little") + header + b"1234")  # 4 TiB?
+    big_refs = [(f"bafkrei{i:052d}", 2**20) for i in range(2048)]  # declares 2 GiB
+    kubo.pubsub_pub(topic, pack_blocks(big_refs, 2048 * 2**20))
+    try:  # over the 1 MiB pubsub limit: Kubo refuses it or the swarm drops it
+        kubo.pubsub_pub(topic, b"\x01" * (2**20 + 1000))
+    except KuboError:
+        pass
+    transfer = {
+        "kind": "transfer",
+        "client": f"{ipfs_grid.client.transport.identity}/{session}",
+        "run": 1,
+        "value": vid,
+        "src": "w0",
+        "tensor": torch.zeros(32),
+    }
+    raw_peer.publish("w1", wire.encode(transfer))  # claims to come from w0
+    # Answered with an error.
+    hostile = [
+        {"kind": "explode"},
+        {
+            "kind": "run",
+            "run": 1,
+            "plan": 1,
+            "program": [[["call", "os.system", ["echo"], {}, [0], [], False]]],
+            "slots": [5],
+            "params": [],
+        },
+        {"kind": "run", "run": 1, "plan": 1, "program": [[["call"]]], "slots": [], "params": []},
+        {"kind": "run", "run": 1, "plan": 1, "program": [[42]], "slots": [], "params": []},
+        {
+            "kind": "run",
+            "run": 1,
+            "plan": 1,
+            "program": [[["recv", 99, "w0"]]],
+            "slots": [1],
+            "params": [],
+        },
+        {"kind": "run", "run": 1, "plan": 77, "slots": [], "params": []},  # unknown plan
+        {"kind": "run", "run": "x", "program": None, "slots": None, "params": None},
+        {"kind": "put", "values": [[1, "not a tensor"]]},
+        {"kind": "free", "free": "everything"},
+        {"kind": "seed", "seed": "abc"},
+        {
+            "kind": "run",
+            "run": 1,
+            "plan": 1,
+            "program": [[["return", 0]]],
+            "slots": [vid],
+            "params": [],
+            "session": session,
+        },  # another client's tensor
+    ]
+    for msg in hostile:
+        reply = raw_peer.request("w1", msg)
+        assert reply["ok"] is False and reply["error"]["worker"] == "w1", msg
+    # The owner's tensor is intact, and normal clients get exact results.
+    assert torch.equal(x.get(), a)
+    with gg.trace():
+        y = x * 3 - 1
+    assert torch.equal(y.get(), a * 3 - 1)
+    w1 = next(w for w in ipfs_workers if w.name == "w1")
+    assert w1.proc.poll() is None
+    log = w1.log_tail(20000)
+    for needle in ("dropped", "unknown request kind", "refused"):
+        assert needle in log, f"worker log lacks {needle!r}:\n{log[-3000:]}"
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+def test_a_killed_worker_is_lost_within_10_s_and_the_rest_carry_on(
+    kubo_nodes, ipfs_workers, tmp_path
+):
+    [wk] = start_workers([(kubo_nodes[1], "wk")], tmp_path)
+    try:
+        with gg.connect(ipfs=kubo_nodes[0].api, workers=["w0", "wk"], timeout=30) as grid:
+            w0, wk_ref = grid.workers
+            a, b = torch.randn(800, 800) / 30, torch.randn(1000)
+            x, y = a.send(wk_ref), b.send(w0)
+            with gg.trace():
+                h = x
+                for _ in range(1000):  # minutes of matmuls: surely still running when killed
+                    h = h @ x
+                total = y.sum() + h.sum()  # w0 waits for wk's result
+            outcome: dict = {}
+
+            def run() -> None:
+                try:
+                    total.get()
+                except Exception as e:
+                    outcome["error"], outcome["at"] = e, time.monotonic()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            time.sleep(1.0)
+            os.kill(wk.proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            thread.join(20)
+            error = outcome.get("error")
+            assert isinstance(error, gg.WorkerLost), error
+            detected = outcome["at"] - killed
+            print(f"WorkerLost {detected:.2f} s after SIGKILL")
+            assert detected < 10
+            assert error.worker == "wk" and "'wk'" in str(error)
+            assert any("(800, 800)" in v for v in error.values), error.values
+            with gg.trace():
+                z = y * 2
+            assert torch.equal(z.get(), b * 2)  # w0 was unblocked and still serves
+            with pytest.raises(gg.WorkerLost):
+                x.get()
+    finally:
+        stop_all([wk])
+
+
+def test_a_silent_clients_tensors_expire_with_the_lease(
+    kubo_nodes, ipfs_workers, tmp_path, raw_peer
+):
+    [wl] = start_workers([(kubo_nodes[1], "wl")], tmp_path, lease=2)
+    try:
+        put = {"kind": "put", "values": [[1, torch.ones(8)]], "session": "silent"}
+        assert raw_peer.request("wl", put)["ok"]
+        with gg.connect(ipfs=kubo_nodes[0].api, workers=["wl"], timeout=30) as grid:
+            a = torch.randn(8)
+            x = a.send(grid.workers[0])  # this client pings every 2/3 s: it keeps its tensor
+            assert objects(grid) == {"wl": 2}
+            deadline = time.monotonic() + 10
+            while objects(grid) != {"wl": 1} and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert objects(grid) == {"wl": 1}
+            time.sleep(2.5)
+            assert torch.equal(x.get(), a)
+        assert "lease of client" in wl.log_tail()
+    finally:
+        stop_all([wl])
+
+
+def test_close_frees_the_clients_tensors_on_every_worker(kubo_nodes, ipfs_workers):
+    with gg.connect(ipfs=kubo_nodes[1].api, workers=names(ipfs_workers)) as observer:
+        before = objects(observer)
+        grid = gg.connect(ipfs=kubo_nodes[0].api, workers=names(ipfs_workers))
+        with grid:
+            ptrs = [torch.randn(4).send(w) for w in grid.workers]
+            with gg.trace():
+                s = ptrs[0] + ptrs[1]
+            s.compute()
+            assert sum(objects(observer).values()) == sum(before.values()) + 4
+        assert objects(observer) == before
+        with pytest.raises(gg.GridError, match="closed"):
+            grid.stats()
+
+
+def test_worker_refuses_a_name_already_taken(kubo_nodes, ipfs_workers, tmp_path):
+    proc = spawn_worker(kubo_nodes[2].api, "w1", tmp_path / "dup.log")
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "already running" in (tmp_path / "dup.log").read_text()
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def test_cli_starts_and_stops_a_swarm(kubo_nodes, tmp_path, capsys):
+    assert main(["ipfs", "up", "--nodes", "1", "--root", str(tmp_path)]) == 0
+    try:
+        [api] = capsys.readouterr().out.split()
+        assert api.startswith("/ip4/127.0.0.1/tcp/") and Kubo(api).id()
+    finally:
+        assert main(["ipfs", "down", "--root", str(tmp_path)]) == 0
+    assert "stopped 1 ipfs daemon" in capsys.readouterr().out
+
+
+def test_cli_worker_without_a_node_says_so(capsys):
+    assert main(["worker", "--ipfs", "/ip4/127.0.0.1/tcp/9", "--name", "w"]) == 1
+    assert "cannot reach the Kubo node at /ip4/127.0.0.1/tcp/9" in capsys.readouterr().err
