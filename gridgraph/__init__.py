@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from gridgraph.errors import GridError, RecordError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, PlacementError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs import connect
+from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on
 from gridgraph.trace.record import trace
@@ -25,6 +26,7 @@ from gridgraph.trace.record import trace
 __all__ = [
     "Grid",
     "GridError",
+    "PlacementError",
     "RecordError",
     "RemoteError",
     "RemoteTensor",
@@ -32,10 +34,12 @@ __all__ = [
     "WorkerRef",
     "compute",
     "connect",
+    "explain",
     "local_grid",
     "on",
     "send",
     "trace",
+    "visualize",
 ]
 
 

@@ -308,13 +308,14 @@ class Client:
             msgs[worker] = msg
         rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
-            replies = {}
-            for w, rid in rids.items():
-                reply = self._wait(w, rid)
-                if not reply.get("ok") and reply["error"].get("code") == "unknown-plan":
-                    # The worker dropped the program (restart, or its cache is full): resend.
-                    reply = self._wait(w, self._send(w, {**msgs[w], "program": plan.programs[w]}))
-                replies[w] = reply
+            replies = self._wait_all(rids)
+            # A worker that dropped the program (restart, or its cache is full) gets it again.
+            again = {
+                w: self._send(w, {**msgs[w], "program": plan.programs[w]})
+                for w, reply in replies.items()
+                if not reply.get("ok") and reply["error"].get("code") == "unknown-plan"
+            }
+            replies.update(self._wait_all(again) if again else {})
         except WorkerLost:
             for w in rids:  # unblock the others, which may wait on the lost worker's sends
                 if self.alive(w):
@@ -376,27 +377,37 @@ class Client:
 
     def _wait(self, worker: str, rid: str) -> dict:
         """The reply to request `rid`, resending it while none comes."""
+        return self._wait_all({worker: rid})[worker]
+
+    def _wait_all(self, rids: dict[str, str]) -> dict[str, dict]:
+        """The replies to several requests (worker -> request id), resending each while its
+        reply does not come. All at once: a worker may wait on another's lost request."""
         start = time.monotonic()
-        retry = self.retry_after
-        resend = start + retry
+        retry = {w: self.retry_after for w in rids}
+        resend = {w: start + self.retry_after for w in rids}
         try:
             with self._cv:
-                while rid not in self._replies:
+                while True:
+                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
+                    if not waiting:
+                        return {w: self._replies.pop(rid) for w, rid in rids.items()}
                     now = time.monotonic()
-                    if not self.alive(worker):
-                        raise WorkerLost(worker, self._values_on(worker))
+                    for w in waiting:
+                        if not self.alive(w):
+                            raise WorkerLost(w, self._values_on(w))
+                        if now >= resend[w]:
+                            payload = self._outstanding[rids[w]][1]
+                            # ipfs: recovery traffic is not counted: stats do not depend on losses
+                            self.transport.publish(worker_topic(w), payload, False)
+                            retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
+                            resend[w] = now + retry[w]
                     if now - start > self.timeout:
-                        raise GridError(f"worker {worker!r} did not answer in {self.timeout} s")
-                    if now >= resend:
-                        payload = self._outstanding[rid][1]
-                        # ipfs: recovery traffic is not counted, so stats do not depend on losses
-                        self.transport.publish(worker_topic(worker), payload, False)
-                        retry = min(2 * retry, 8 * self.retry_after)  # ipfs: lost, or just slow
-                        resend = now + retry
+                        raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
                     self._cv.wait(min(0.25, self.retry_after))
-                return self._replies.pop(rid)
         finally:
-            self._outstanding.pop(rid, None)
+            for rid in rids.values():
+                self._outstanding.pop(rid, None)
+                self._replies.pop(rid, None)
 
     def _values_on(self, worker: str) -> list[str]:
         """Describe the live values stored on `worker`, for WorkerLost."""

@@ -107,3 +107,25 @@ def test_render_errors(traced, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="install graphviz"):
         render(nodes, values, placement, plan, str(tmp_path / "p.svg"))
     render(nodes, values, placement, plan, str(tmp_path / "p.dot"))  # needs no Graphviz
+
+
+def test_gg_explain_and_visualize_on_pointers(local_grid, tmp_path):
+    w0, w1, _ = local_grid.workers
+    x = gg.send(torch.randn(64, 32), w0)
+    W = gg.send(torch.randn(32, 8), w1)
+    with gg.trace():
+        y = torch.relu(x @ W).sum(1)
+        z = y * 2
+    summary = gg.explain([y, z])
+    assert "naive placement" in summary and "w0" in summary and "w2: 0 ops" in summary
+    assert __file__ in summary  # the ops are attributed to this file's lines
+    assert gg.explain(local_grid).startswith("placement:")
+    for ext in ("svg", "dot", "html"):
+        path = gg.visualize(y, str(tmp_path / f"placement.{ext}"))
+        content = open(path).read()
+        assert all(w.name in content for w in local_grid.workers)
+    local_grid.reset_stats()
+    gg.explain(z)  # explaining runs nothing
+    assert local_grid.stats()["messages"] == 0 and not z.computed
+    z.compute()
+    assert gg.explain(z).startswith("nothing to run")
