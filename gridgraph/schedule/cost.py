@@ -2,9 +2,9 @@
 
 An op takes its estimated FLOPs over its worker's throughput. A value another worker needs
 arrives `latency + nbytes / bandwidth` after its producer finishes (or at time 0 plus that if
-it is already stored), once per destination worker however many ops there read it; with
-`ordered_sends`, not before the sender has run every op recorded before the first reader. Each
-worker runs its ops in recording order, as the programs of `plan.split` do, starting each as
+it is already stored), once per destination worker however many ops there read it:
+`plan.split` sends a value right after the step that made it current. Each worker runs its ops
+in recording order, as the programs of `plan.split` do, starting each as
 soon as the worker is free and its inputs are there. The estimated finish time of the whole
 graph is the objective `place` minimizes and `finish_time` reports.
 
@@ -40,10 +40,6 @@ class CostModel:
     worker_flops: Mapping[str, float] = field(default_factory=dict)
     links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     # (src, dst) -> (bandwidth, latency) for links that differ from the default
-    ordered_sends: bool = False
-    # False: a value leaves as soon as it is ready. True: as `plan.split` emits sends today,
-    # at the reader's place in the sender's program, so after everything the sender runs
-    # that was recorded before the reader.
 
     @classmethod
     def local(cls, **kw) -> CostModel:
@@ -224,7 +220,6 @@ class Timeline:
         self.lat = [[lat for _, lat in row] for row in links]
         self.ibw = [[1.0 / bw for bw, _ in row] for row in links]
         self.ct = [[f / s for s in self.speed] for f in self.flops]
-        self.ordered = cost.ordered_sends
         index = self.index
         # A copy of value k on worker w is keyed k * W + w: one flat int per (value, worker).
         self.ins: list[tuple[tuple[int, int, int, int], ...]] = [
@@ -277,7 +272,7 @@ class Timeline:
     def _simulate(self, wn, k, fin, free, old, copies, free_at, bound=math.inf) -> float:
         # `old` holds copies made by an earlier run (with the node that made them); those made
         # before k are still valid. New copies go to `copies` (the same dict on a full run).
-        lat, ibw, ct, ins, ordered = self.lat, self.ibw, self.ct, self.ins, self.ordered
+        lat, ibw, ct, ins = self.lat, self.ibw, self.ct, self.ins
         for i in range(k, len(ins)):
             if free_at is not None:
                 free_at.append(free.copy())
@@ -296,8 +291,6 @@ class Timeline:
                     else:
                         c = copies.get(key + w)
                         if c is None:
-                            if ordered and free[s] > r:
-                                r = free[s]
                             c = (r + lat[s][w] + nbytes * ibw[s][w], i)
                             copies[key + w] = c
                         r = c[0]

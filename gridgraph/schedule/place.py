@@ -332,7 +332,7 @@ class _Search:
         lat, ibw, ct, ins, of = tl.lat, tl.ibw, tl.ct, tl.ins, units.of
         later, pushed, room, nbytes = self.later, self.pushed, self.room, units.nbytes
         n = len(ins)
-        alpha, ordered = self.alpha, tl.ordered
+        alpha = self.alpha
         if roll is None:
             k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
             load = [0.0] * len(tl.workers)
@@ -368,8 +368,6 @@ class _Search:
                             if c is not None:
                                 r = c[0]
                             else:
-                                if ordered and free[s] > r:
-                                    r = free[s]
                                 x = lat[s][w] + nb * ibw[s][w]
                                 r += x
                                 pen += x
@@ -409,8 +407,6 @@ class _Search:
                 if s != w:
                     c = copies.get(key + w)
                     if c is None:
-                        if ordered and free[s] > r:
-                            r = free[s]
                         c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
                     r = c[0]
                 if r > t:
