@@ -40,13 +40,16 @@ class CostModel:
     worker_flops: Mapping[str, float] = field(default_factory=dict)
     links: Mapping[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     # (src, dst) -> (bandwidth, latency) for links that differ from the default
+    shared: bool = False
+    # True: the workers share one machine's cores (in-process workers), so nothing runs in
+    # parallel: every op and every transfer takes its time one after another.
 
     @classmethod
     def local(cls, **kw) -> CostModel:
         """In-process workers: a message is a hand-off plus a copy of its tensors. They share
         this process's cores (and each op already uses all of them), so running branches on
-        several of them gains nothing: compute counts as nearly free, transfers decide."""
-        return cls(**{"flops": 1e13, "latency": 200e-6, "bandwidth": 2e9, **kw})
+        several of them gains nothing and every transfer is time added: fewest transfers win."""
+        return cls(**{"shared": True, "latency": 200e-6, "bandwidth": 2e9, **kw})
 
     @classmethod
     def pubsub(cls, **kw) -> CostModel:
@@ -220,6 +223,7 @@ class Timeline:
         self.lat = [[lat for _, lat in row] for row in links]
         self.ibw = [[1.0 / bw for bw, _ in row] for row in links]
         self.ct = [[f / s for s in self.speed] for f in self.flops]
+        self.shared = cost.shared
         index = self.index
         # A copy of value k on worker w is keyed k * W + w: one flat int per (value, worker).
         self.ins: list[tuple[tuple[int, int, int, int], ...]] = [
@@ -272,7 +276,7 @@ class Timeline:
     def _simulate(self, wn, k, fin, free, old, copies, free_at, bound=math.inf) -> float:
         # `old` holds copies made by an earlier run (with the node that made them); those made
         # before k are still valid. New copies go to `copies` (the same dict on a full run).
-        lat, ibw, ct, ins = self.lat, self.ibw, self.ct, self.ins
+        lat, ibw, ct, ins, shared = self.lat, self.ibw, self.ct, self.ins, self.shared
         for i in range(k, len(ins)):
             if free_at is not None:
                 free_at.append(free.copy())
@@ -291,14 +295,21 @@ class Timeline:
                     else:
                         c = copies.get(key + w)
                         if c is None:
-                            c = (r + lat[s][w] + nbytes * ibw[s][w], i)
+                            if shared:  # one machine: the copy takes its time now
+                                t += lat[s][w] + nbytes * ibw[s][w]
+                                c = (t, i)
+                            else:
+                                c = (r + lat[s][w] + nbytes * ibw[s][w], i)
                             copies[key + w] = c
                         r = c[0]
                 if r > t:
                     t = r
             t += ct[i][w]
             fin[i] = t
-            free[w] = t
+            if shared:
+                free[:] = [t] * len(free)
+            else:
+                free[w] = t
             if t > bound:
                 self.steps += i + 1 - k
                 return t

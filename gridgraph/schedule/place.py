@@ -332,7 +332,7 @@ class _Search:
         lat, ibw, ct, ins, of = tl.lat, tl.ibw, tl.ct, tl.ins, units.of
         later, pushed, room, nbytes = self.later, self.pushed, self.room, units.nbytes
         n = len(ins)
-        alpha = self.alpha
+        alpha, shared = self.alpha, tl.shared
         if roll is None:
             k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
             load = [0.0] * len(tl.workers)
@@ -369,7 +369,10 @@ class _Search:
                                 r = c[0]
                             else:
                                 x = lat[s][w] + nb * ibw[s][w]
-                                r += x
+                                if shared:  # one machine: the copy's time adds up
+                                    t += x
+                                else:
+                                    r += x
                                 pen += x
                         else:
                             local += nb
@@ -407,11 +410,19 @@ class _Search:
                 if s != w:
                     c = copies.get(key + w)
                     if c is None:
-                        c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
+                        if shared:
+                            t += lat[s][w] + nb * ibw[s][w]
+                            c = copies[key + w] = (t, i)
+                        else:
+                            c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
                     r = c[0]
                 if r > t:
                     t = r
-            fin[i] = free[w] = t = t + ct[i][w]
+            fin[i] = t = t + ct[i][w]
+            if shared:
+                free[:] = [t] * len(free)
+            else:
+                free[w] = t
             if t > bound:
                 tl.steps += 4 * (i + 1 - k)  # scoring every worker: about four plain steps
                 return uw, t

@@ -18,12 +18,28 @@ SIMPLE = CostModel(flops=1e9, bandwidth=1e6, latency=1e-3)
 def test_presets_and_links():
     local, pubsub = CostModel.local(), CostModel.pubsub()
     assert pubsub.latency >= 10 * local.latency and pubsub.bandwidth < local.bandwidth
-    assert local.flops >= 100 * pubsub.flops  # in-process workers: transfers decide
+    assert local.shared and not pubsub.shared  # in-process workers share one machine
+
     assert pubsub.transfer_time(1_000_000, "w0", "w1") == pytest.approx(0.02)
     slow = CostModel(worker_flops={"w1": 1e9}, links={("w0", "w1"): (1e3, 0.5)})
     assert slow.compute_time(1e9, "w1") == 1.0 and slow.compute_time(5e10, "w0") == 1.0
     assert slow.transfer_time(1000, "w0", "w1") == 1.5  # that link only, one way
     assert slow.transfer_time(1000, "w1", "w0") == pytest.approx(50e-6 + 1000 / 5e9)
+
+
+def test_shared_machine_adds_up_every_op_and_transfer():
+    b = Builder()
+    x = b.stored((1000,), "w0")
+    u = b(aten.relu.default, x)  # 1 us each on a 1 GFLOP/s worker
+    v = b(aten.relu.default, b.stored((1000,), "w1"))
+    b(aten.add.Tensor, u, v)
+    placement = dict(zip((n.id for n in b.nodes), ["w0", "w1", "w0"]))
+    apart = CostModel(flops=1e9, bandwidth=1e6, latency=1e-3)
+    shared = CostModel(flops=1e9, bandwidth=1e6, latency=1e-3, shared=True)
+    # apart: relu and relu in parallel, then v's 4 KB copy (1 ms + 4 ms), then the add
+    assert finish_time(b.nodes, b.values, placement, apart) == pytest.approx(1e-6 + 5e-3 + 1e-6)
+    # shared: one after another
+    assert finish_time(b.nodes, b.values, placement, shared) == pytest.approx(3e-6 + 5e-3)
 
 
 def test_flops_of_matmuls_convolutions_views_and_elementwise():
