@@ -67,6 +67,19 @@ def recording_overhead(grid: gg.Grid, reps: int = 20) -> tuple[float, int]:
     return total / ops * 1e6, ops // reps
 
 
+def plain_us_per_op(ops: int, reps: int = 200) -> float:
+    """The same tiny step in plain torch, per op: what torch itself costs."""
+    model = mlp(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    for _ in range(5):
+        step(model, opt, x, y)
+    t = time.perf_counter()
+    for _ in range(reps):
+        step(model, opt, x, y)
+    return (time.perf_counter() - t) / reps / ops * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)

@@ -47,12 +47,18 @@ FREE_BATCH = 512
 
 
 class _Cell:
-    """The value id a pointer names; shared with the pointer's finalizer."""
+    """The value id a pointer names, and a weak reference that queues the cell when the
+    pointer dies (a weakref callback is much cheaper than weakref.finalize)."""
 
-    __slots__ = ("vid",)
+    __slots__ = ("vid", "ref", "queue")
 
-    def __init__(self, vid: int) -> None:
+    def __init__(self, vid: int, queue: deque | None = None) -> None:
         self.vid = vid
+        self.queue = queue
+        self.ref = None
+
+    def died(self, _ref: weakref.ref) -> None:
+        self.queue.append(self)
 
 
 class Client:
@@ -101,10 +107,10 @@ class Client:
 
     def make_pointer(self, vid: int, requires_grad: bool = False) -> RemoteTensor:
         p = RemoteTensor(self, vid, self.graph.values[vid].meta, requires_grad)
-        cell = _Cell(vid)
+        cell = _Cell(vid, self._dead)
+        cell.ref = weakref.ref(p, cell.died)  # the cell (held in `live`) keeps the ref alive
         p._cell = cell
         self.live[vid] = cell
-        weakref.finalize(p, self._dead.append, cell)
         return p
 
     def rebind(self, p: RemoteTensor, vid: int) -> None:

@@ -160,29 +160,34 @@ class Graph:
     def add(self, node: Node) -> None:
         """Add a node whose output values are already in `values`; wire data and order edges."""
         nid = node.id
-        pending = self.pending
+        pending, values = self.pending, self.values
+        last_write, readers = self._last_write, self._readers
         pending[nid] = node
         preds: dict[int, list[int]] = {}
         self.preds[nid] = preds
-        read_storages = set()
-        for vid in node.inputs():
-            value = self.values[vid]
-            if value.producer in pending:
-                preds.setdefault(value.producer, []).append(vid)
-            read_storages.add(value.storage)
-        written = {self.values[vid].storage for _, vid in node.writes}
-        for s in read_storages | written:
-            w = self._last_write.get(s)
-            if w in pending and w != nid:
-                preds.setdefault(w, [])
-        for s in written:
-            for r in self._readers.get(s, ()):
-                if r in pending and r != nid:
-                    preds.setdefault(r, [])
-            self._last_write[s] = nid
-            self._readers[s] = []
-        for s in read_storages - written:
-            self._readers.setdefault(s, []).append(nid)
+        for vid in node.inputs():  # data edges, and read-after-write on the storage
+            value = values[vid]
+            p = value.producer
+            if p in pending:
+                if p in preds:
+                    preds[p].append(vid)
+                else:
+                    preds[p] = [vid]
+            s = value.storage
+            w = last_write.get(s)
+            if w in pending and w not in preds:
+                preds[w] = []
+            if s in readers:
+                readers[s].append(nid)
+            else:
+                readers[s] = [nid]
+        for _, vid in node.writes:  # write-after-write and write-after-read
+            s = values[vid].storage
+            for r in (last_write.get(s), *readers.get(s, ())):
+                if r in pending and r != nid and r not in preds:
+                    preds[r] = []
+            last_write[s] = nid
+            readers[s] = []
 
     def last_write(self, storage: int) -> int | None:
         """The pending node that last wrote `storage`, if any."""

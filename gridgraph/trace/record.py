@@ -248,7 +248,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         return p._owner.fetch(p._vid).item()
 
     walk = _Walk(pointer_type)
-    t_args = tuple(walk.convert(a) for a in args)
+    t_args = tuple([walk.convert(a) for a in args])
     walk.key.append("|")
     t_kwargs = {k: walk.convert(v) for k, v in kwargs.items()}
     owner = walk.owner
