@@ -73,6 +73,7 @@ class Client:
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
         cost: CostModel | None = None,
+        memory_cap: int | dict[str, int] | None = None,
     ) -> None:
         self.transport = transport
         self.workers = list(workers)
@@ -91,7 +92,9 @@ class Client:
         self.closed = False
         # The cost model the placement minimises: in-process links by default.
         self.cost = cost or CostModel.local()
-        self.place = functools.partial(place, cost=self.cost)
+        # memory_cap: bytes a worker may hold of what a run places there (one number, or per
+        # worker name); a run that cannot fit raises PlacementError before anything is sent.
+        self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}

@@ -176,14 +176,18 @@ def check_sendable(t: object) -> None:
         raise GridError(f"tensors of dtype {t.dtype} cannot be sent")
 
 
-def local_grid(n: int = 3) -> Grid:
-    """A grid of `n` in-process workers named w0, w1, ... (the embedded default)."""
+def local_grid(n: int = 3, *, memory_cap: int | dict[str, int] | None = None) -> Grid:
+    """A grid of `n` in-process workers named w0, w1, ... (the embedded default).
+
+    `memory_cap`: bytes per worker (one number, or per worker name) that placement keeps
+    the tensors it creates on a worker under.
+    """
     if type(n) is not int or n < 1:
         raise ValueError(f"a local grid needs at least one worker, got {n!r}")
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
     workers = [Worker(name, bus.endpoint(name)) for name in names]
-    client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names)
+    client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
 
     def stop_workers() -> None:
         for w in workers:

@@ -243,6 +243,7 @@ def connect(
     lease: float | None = None,
     retry_after: float = 0.5,
     dead_after: float = DEAD_AFTER,
+    memory_cap: int | dict[str, int] | None = None,
 ) -> Grid:
     """A Grid of the live workers reachable through the Kubo node whose API is `ipfs`.
 
@@ -253,6 +254,7 @@ def connect(
     `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x);
     PubSub loses about one message in a few hundred, and a worker answers a repeated request
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
+    `memory_cap`: bytes per worker (or per worker name) that placement keeps new tensors under.
 
     Example:
         with gg.connect(ipfs="/ip4/127.0.0.1/tcp/5001", min_workers=3) as grid:
@@ -267,6 +269,7 @@ def connect(
         lease=lease,
         retry_after=retry_after,
         dead_after=dead_after,
+        memory_cap=memory_cap,
         where=ipfs,
     )
 
@@ -280,6 +283,7 @@ def grid_over(
     lease: float | None = None,
     retry_after: float = 0.5,
     dead_after: float = DEAD_AFTER,
+    memory_cap: int | dict[str, int] | None = None,
     where: str = "the grid",
 ) -> Grid:
     """`connect` on a transport you built (tests wrap it to drop or repeat messages).
@@ -300,6 +304,7 @@ def grid_over(
             retry_after=retry_after,
             alive=directory.alive,
             cost=CostModel.pubsub(),
+            memory_cap=memory_cap,
         )
         # The first replies may go out before the workers' nodes learn of our reply topic: one
         # quick round trip each, resent often, makes sure the grid answers before it is used.

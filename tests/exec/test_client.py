@@ -181,3 +181,26 @@ def test_on_pins_ops_to_a_worker(grid):
         q = p * 2
     q.compute()
     assert q.location == "w1"
+
+
+def test_memory_cap_keeps_new_tensors_off_a_full_worker():
+    with gg.local_grid(2, memory_cap=128 * 1024) as grid:
+        w0, w1 = grid.workers
+        a = gg.send(torch.randn(64, 64), w0)  # 16 KB
+        b = gg.send(torch.randn(64, 64), w1)
+        with gg.trace():
+            big = [torch.cat([a, b]) for _ in range(5)]  # 32 KB each: 3 fit on one worker
+        gg.compute(*big)
+        assert {p.location for p in big} == {"w0", "w1"}
+        torch.testing.assert_close(big[0].get(), torch.cat([a.get(), b.get()]))
+
+
+def test_what_nobody_asked_for_is_not_computed(local_grid):
+    p = gg.send(torch.ones(3), local_grid.workers[0])
+    with gg.trace():
+        wanted = p + 1
+        unwanted = p * 100
+    local_grid.reset_stats()
+    wanted.compute()
+    assert local_grid.stats()["workers"]["w0"]["ops_run"] == 1
+    assert wanted.computed and not unwanted.computed
