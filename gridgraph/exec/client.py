@@ -10,7 +10,7 @@ The loop of `execute`: take what the targets need from the pending graph, place 
 into per-worker programs (gridgraph.schedule), send one message per worker, wait for the
 replies, then record where each value now lives and drop what no one needs.
 
-Freed pointers only append to a queue (their finalizer may run on any thread, at any time);
+Freed pointers only append to a queue (their weakref callback may run on any thread, any time);
 the queue is drained at the start of the next request, so releases travel in batches.
 """
 
@@ -98,7 +98,7 @@ class Client:
         self.plans = PlanCache()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
-        self._dead: deque[int] = deque()
+        self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
         self._outstanding: dict[str, tuple[str, bytes, bool]] = {}  # request id -> resend
