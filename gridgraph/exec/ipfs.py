@@ -504,8 +504,14 @@ def _serve_as_worker(
         log.error("a worker named %r is already running (peer %s); pick another --name",
                   name, rival.identity)  # fmt: skip
         return 1
-    worker = Worker(name, transport, recv_timeout=recv_timeout,
-                    peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat))  # fmt: skip
+    worker = Worker(
+        name,
+        transport,
+        recv_timeout=recv_timeout,
+        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
+        # a worker never heard of may still be starting: only one gone silent is dead
+        peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
+    )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False
 

@@ -71,6 +71,7 @@ class Worker:
         *,
         recv_timeout: float = 120.0,
         peer_identity: Callable[[str], str | None] | None = None,
+        peer_alive: Callable[[str], bool] = lambda name: True,
     ) -> None:
         self.name = name
         self.transport = transport
@@ -79,6 +80,9 @@ class Worker:
         self.recv_timeout = recv_timeout
         # Maps a worker name to its transport identity, to check who sent a transfer.
         self.peer_identity = peer_identity or (lambda n: n)
+        # Whether another worker still answers (heartbeats on IPFS): a recv from a dead one
+        # fails at once instead of after recv_timeout, even if its client's abort was lost.
+        self.peer_alive = peer_alive
         self.ops_run = 0
         self._inbox: dict[tuple[str, int, int], Any] = {}
         self._inbox_cv = threading.Condition()
@@ -429,6 +433,8 @@ class _Run:
             while key not in self.w._inbox:
                 if (self.client, self.run) in self.w._aborted:
                     raise UpstreamFailed(f"run {self.run} was aborted by its client")
+                if not self.w.peer_alive(src):
+                    raise UpstreamFailed(f"worker {src} stopped answering")
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")

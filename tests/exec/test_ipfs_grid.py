@@ -377,20 +377,30 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
 # --- failures -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lose_abort", [False, True], ids=["abort", "abort_lost"])
 def test_a_killed_worker_is_lost_within_10_s_and_the_rest_carry_on(
-    kubo_nodes, ipfs_workers, tmp_path
+    kubo_nodes, ipfs_workers, tmp_path, lose_abort
 ):
     [wk] = start_workers([(kubo_nodes[1], "wk")], tmp_path)
     try:
         with gg.connect(ipfs=kubo_nodes[0].api, workers=["w0", "wk"], timeout=30) as grid:
             w0, wk_ref = grid.workers
+            if lose_abort:  # w0 must notice by itself that wk is gone (its heartbeats stop)
+                publish = grid.client.transport.publish
+
+                def without_aborts(topic, payload, counted=True):
+                    if wire.decode(payload)["kind"] != "abort":
+                        publish(topic, payload, counted)
+
+                grid.client.transport.publish = without_aborts
             a, b = torch.randn(800, 800) / 30, torch.randn(1000)
             x, y = a.send(wk_ref), b.send(w0)
             with gg.trace():
                 h = x
                 for _ in range(1000):  # minutes of matmuls: surely still running when killed
                     h = h @ x
-                total = y.sum() + h.sum()  # w0 waits for wk's result
+                with gg.on(w0):
+                    total = y.sum() + h.sum()  # w0 waits for wk's result
             outcome: dict = {}
 
             def run() -> None:
@@ -414,7 +424,9 @@ def test_a_killed_worker_is_lost_within_10_s_and_the_rest_carry_on(
             assert any("(800, 800)" in v for v in error.values), error.values
             with gg.trace():
                 z = y * 2
+            start = time.monotonic()
             assert torch.equal(z.get(), b * 2)  # w0 was unblocked and still serves
+            assert time.monotonic() - start < 15  # not after its 120 s recv timeout
             with pytest.raises(gg.WorkerLost):
                 x.get()
     finally:
