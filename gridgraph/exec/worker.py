@@ -33,7 +33,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.ops import OpRefused, RandomState, resolve
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import Transport
-from gridgraph.schedule.plan import Param, Slot
+from gridgraph.schedule.plan import Param, Slot, call_refs
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -98,7 +98,7 @@ class Worker:
         self._handlers = {
             "put": self._put,
             "run": self._run,
-            "free": self._free,
+            "free": lambda client, msg: {},  # _serve frees the ids every request carries
             "stats": self._stats,
             "seed": self._seed,
             "bye": self._bye,
@@ -222,9 +222,6 @@ class Worker:
             checked.append(item)
         for vid, tensor in checked:
             self.store.put(client, vid, tensor)
-        return {}
-
-    def _free(self, client: str, msg: dict) -> dict:
         return {}
 
     def _free_ids(self, client: str, ids: Any) -> None:
@@ -519,10 +516,7 @@ def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
         if len(step) != 7 or not isinstance(step[2], list) or not isinstance(step[3], dict):
             raise RequestError("a call step is [call, op, args, kwargs, outs, writes, report]")
         resolve(step[1])
-        found: list[Any] = []
-        _refs(step[2], found)
-        _refs(list(step[3].values()), found)
-        for ref in found:
+        for ref in call_refs(step):
             if type(ref) is Param:
                 params.add(ref.index)
             elif ref.index >= n_slots:
@@ -539,11 +533,3 @@ def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
             raise RequestError(f"a {kind} step is [{kind}, slot]")
     else:
         raise RequestError(f"unknown step kind {kind!r}")
-
-
-def _refs(obj: list, out: list) -> None:
-    for a in obj:
-        if type(a) in (Slot, Param):
-            out.append(a)
-        elif isinstance(a, list):
-            _refs(a, out)

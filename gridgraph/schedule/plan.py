@@ -276,37 +276,29 @@ def _insert_frees(stages: list[list[tuple]], drop: set[int], b: _Builder) -> Non
         stages[si] = out
 
 
+def call_refs(step: tuple | list) -> list[Slot | Param]:
+    """The slots and parameters a call step's arguments name, in argument order."""
+    found: list[Slot | Param] = []
+    _refs_in(step[2], found)
+    _refs_in(list(step[3].values()), found)
+    return found
+
+
+def _refs_in(obj: Any, out: list) -> None:
+    for a in obj:
+        if type(a) is Slot or type(a) is Param:
+            out.append(a)
+        elif isinstance(a, list):
+            _refs_in(a, out)
+
+
 def _slots_used(step: tuple) -> list[int]:
-    kind = step[0]
-    if kind == "call":
-        found: list[int] = []
-        _slots_in(step[2], found)
-        _slots_in(list(step[3].values()), found)
-        found.extend(step[4])
-        return found
+    if step[0] == "call":
+        return [r.index for r in call_refs(step) if type(r) is Slot] + list(step[4])
     return [step[1]]
 
 
 def _params_used(step: tuple) -> list[int]:
     if step[0] != "call":
         return []
-    found: list[int] = []
-    _params_in(step[2], found)
-    _params_in(list(step[3].values()), found)
-    return found
-
-
-def _params_in(obj: Any, out: list[int]) -> None:
-    for a in obj:
-        if type(a) is Param:
-            out.append(a.index)
-        elif isinstance(a, list):
-            _params_in(a, out)
-
-
-def _slots_in(obj: Any, out: list[int]) -> None:
-    for a in obj:
-        if type(a) is Slot:
-            out.append(a.index)
-        elif isinstance(a, list):
-            _slots_in(a, out)
+    return [r.index for r in call_refs(step) if type(r) is Param]
