@@ -169,6 +169,9 @@ def _flag(args: tuple, index: int) -> bool:
 # --- the simulation -----------------------------------------------------------------------
 
 
+_NO_COPIES: dict = {}  # `advance` without copies from an earlier run
+
+
 class Timeline:
     """The finish-time simulation of one graph, compiled to flat arrays.
 
@@ -276,47 +279,52 @@ class Timeline:
     def _simulate(self, wn, k, fin, free, old, copies, free_at, bound=math.inf) -> float:
         # `old` holds copies made by an earlier run (with the node that made them); those made
         # before k are still valid. New copies go to `copies` (the same dict on a full run).
-        lat, ibw, ct, ins, shared = self.lat, self.ibw, self.ct, self.ins, self.shared
-        for i in range(k, len(ins)):
+        for i in range(k, len(self.ins)):
             if free_at is not None:
                 free_at.append(free.copy())
-            w = wn[i]
-            t = free[w]
-            for p, s, key, nbytes in ins[i]:
-                if p >= 0:
-                    s = wn[p]
-                    r = fin[p]
-                else:
-                    r = 0.0
-                if s != w:
-                    c = old.get(key + w)
-                    if c is not None and c[1] < k:
-                        r = c[0]
-                    else:
-                        c = copies.get(key + w)
-                        if c is None:
-                            if shared:  # one machine: the copy takes its time now
-                                t += lat[s][w] + nbytes * ibw[s][w]
-                                c = (t, i)
-                            else:
-                                c = (r + lat[s][w] + nbytes * ibw[s][w], i)
-                            copies[key + w] = c
-                        r = c[0]
-                if r > t:
-                    t = r
-            t += ct[i][w]
-            fin[i] = t
-            if shared:
-                free[:] = [t] * len(free)
-            else:
-                free[w] = t
+            t = self.advance(i, wn, fin, free, copies, old, k)
             if t > bound:
                 self.steps += i + 1 - k
                 return t
-        self.steps += len(ins) - k
+        self.steps += len(self.ins) - k
         if free_at is not None:
             free_at.append(free.copy())
         return max(free) if free else 0.0
+
+    def advance(self, i, wn, fin, free, copies, old=_NO_COPIES, k=0) -> float:
+        """Run node i on worker wn[i] after nodes 0..i-1: make the copies of its inputs it
+        needs (reusing those in `copies`, or those in `old` made before node k), set its
+        finish time and its worker's next free time; returns the finish time."""
+        lat, ibw = self.lat, self.ibw
+        w = wn[i]
+        t = free[w]
+        for p, s, key, nbytes in self.ins[i]:
+            if p >= 0:
+                s = wn[p]
+                r = fin[p]
+            else:
+                r = 0.0
+            if s != w:
+                c = old.get(key + w)
+                if c is None or c[1] >= k:
+                    c = copies.get(key + w)
+                if c is None:
+                    if self.shared:  # one machine: the copy takes its time now
+                        t += lat[s][w] + nbytes * ibw[s][w]
+                        c = (t, i)
+                    else:
+                        c = (r + lat[s][w] + nbytes * ibw[s][w], i)
+                    copies[key + w] = c
+                r = c[0]
+            if r > t:
+                t = r
+        t += self.ct[i][w]
+        fin[i] = t
+        if self.shared:
+            free[:] = [t] * len(free)
+        else:
+            free[w] = t
+        return t
 
     def bytes_moved(self, wn: list[int]) -> int:
         """Bytes sent between workers: each value once per worker that reads it elsewhere."""

@@ -400,29 +400,7 @@ class _Search:
                 load[w] += nbytes[u]
                 for j in units.members[u]:
                     wn[j] = w
-            w = uw[u]
-            t = free[w]
-            for p, s, key, nb in ins[i]:
-                if p >= 0:
-                    s, r = wn[p], fin[p]
-                else:
-                    r = 0.0
-                if s != w:
-                    c = copies.get(key + w)
-                    if c is None:
-                        if shared:
-                            t += lat[s][w] + nb * ibw[s][w]
-                            c = copies[key + w] = (t, i)
-                        else:
-                            c = copies[key + w] = (r + lat[s][w] + nb * ibw[s][w], i)
-                    r = c[0]
-                if r > t:
-                    t = r
-            fin[i] = t = t + ct[i][w]
-            if shared:
-                free[:] = [t] * len(free)
-            else:
-                free[w] = t
+            t = tl.advance(i, wn, fin, free, copies)
             if t > bound:
                 tl.steps += 4 * (i + 1 - k)  # scoring every worker: about four plain steps
                 return uw, t
