@@ -14,7 +14,7 @@ from torch import nn
 
 import gridgraph as gg
 from gridgraph.schedule.cache import signature
-from gridgraph.schedule.plan import split
+from gridgraph.schedule.plan import run_params, split
 
 
 def model_and_step(grid: gg.Grid, depth: int):
@@ -61,7 +61,7 @@ def main() -> None:
         for _ in range(reps):
             key, slots = signature(nodes, values, keep, [], set())
             plan = client.plans.get(key)
-            params = [p for node in nodes for p in node.params]
+            params = run_params(nodes)
         hit = (time.perf_counter() - t) / reps
         assert plan is not None, "the step should be in the plan cache"
         t = time.perf_counter()

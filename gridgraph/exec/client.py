@@ -36,7 +36,7 @@ from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place
-from gridgraph.schedule.plan import Plan, split
+from gridgraph.schedule.plan import Plan, run_params, split
 from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
@@ -226,7 +226,7 @@ class Client:
             self._collect_dead()
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             if not nodes and not fetch:
-                return Plan({}, [], [], [], {}), {}
+                return Plan({}, [], [], {}), {}
             for node in nodes:
                 for vid in node.inputs():
                     if vid in self.failed:
@@ -243,14 +243,11 @@ class Client:
                     raise
                 plan = split(nodes, placement, values, keep, fetch, dynamic, slots)
                 plan.id = self.plans.new_id()
-                params = plan.params
                 if not dynamic:
                     self.plans.put(key, plan)
-            else:
-                params = [p for node in nodes for p in node.params]
             self.last_plan = plan
             try:
-                replies = self._run_plan(plan, slots, params)
+                replies = self._run_plan(plan, slots, run_params(nodes))
             except (RemoteError, WorkerLost) as e:
                 self._forget_run(nodes, slots, keep, e)
                 raise

@@ -61,8 +61,7 @@ class Plan:
     """What each worker does in one run, grouped into stages; plain data."""
 
     programs: dict[str, list[list[tuple]]]  # worker -> stages -> steps
-    slots: list[int]  # value id of each slot
-    params: list[Any]  # float or local tensor of each parameter
+    slots: list[int]  # value id of each slot (in the run it was compiled for)
     transfers: list[TransferEdge]
     placement: dict[int, str]  # node id -> worker
     dynamic: dict[int, int] = field(default_factory=dict)  # node id -> call step's slot base
@@ -112,12 +111,15 @@ def _show_arg(a: Any) -> str:
 
 
 class _Builder:
-    """Turns ids into slots and floats / local tensors into parameters while splitting."""
+    """Turns ids into slots, and floats / local tensors into parameters, while splitting.
+
+    Parameters are numbered in the order recording met them, so a run's values are its
+    nodes' `params` one after another (see `run_params`)."""
 
     def __init__(self) -> None:
         self.slot_of: dict[int, int] = {}
         self.slots: list[int] = []
-        self.params: list[Any] = []
+        self.n_params = 0
 
     def slot(self, vid: int) -> int:
         s = self.slot_of.get(vid)
@@ -129,15 +131,17 @@ class _Builder:
     def template(self, a: Any) -> Any:
         if type(a) is Ref:
             return Slot(self.slot(a.value))
-        if type(a) is Const:
-            self.params.append(a.tensor)
-            return Param(len(self.params) - 1)
-        if type(a) is float:
-            self.params.append(a)
-            return Param(len(self.params) - 1)
+        if type(a) is Const or type(a) is float:
+            self.n_params += 1
+            return Param(self.n_params - 1)
         if isinstance(a, list):
             return [self.template(x) for x in a]
         return a
+
+
+def run_params(nodes: list[Node]) -> list[Any]:
+    """The values of a run's parameters: what the `Param(k)` of its plan stand for."""
+    return [p for node in nodes for p in node.params]
 
 
 def split(
@@ -242,7 +246,6 @@ def split(
     return Plan(
         stage_lists,
         b.slots,
-        b.params,
         transfers,
         dict(placement),
         dynamic_slots,
