@@ -261,7 +261,10 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         spec: OutputSpec | None = infer(
             op,
             (op, floats, *walk.key),
-            lambda: (to_meta(list(t_args), graph), to_meta_kwargs(t_kwargs, graph)),
+            lambda: (
+                to_meta(list(t_args), graph),
+                {k: to_meta(v, graph) for k, v in t_kwargs.items()},
+            ),
         )
     except DataDependent:
         spec = None
@@ -357,10 +360,6 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         owner.discard(node)
         raise
     return _structure(spec.kind, out)
-
-
-def to_meta_kwargs(t_kwargs: dict, graph: Graph) -> dict:
-    return {k: to_meta(v, graph) for k, v in t_kwargs.items()}
 
 
 def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:
