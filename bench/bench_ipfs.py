@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 import gridgraph as gg
-from gridgraph.exec.ipfs import discover, spawn_worker, stop_worker
-from gridgraph.exec.ipfs_nodes import start_nodes, stop_nodes
-from gridgraph.exec.ipfs_transport import BLOCK_SIZE, FETCH_PARALLELISM
-from gridgraph.exec.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec.ipfs.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.swarm import spawn_worker, start_nodes, stop_nodes, stop_worker
+from gridgraph.exec.ipfs.transport import BLOCK_SIZE, FETCH_PARALLELISM
 
 
 def median_ms(samples: list[float]) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import gridgraph as gg
-from gridgraph.exec.ipfs import local_swarm
+from gridgraph.exec.ipfs.swarm import local_swarm
 
 
 def shards(n: int, rows: int = 2000, features: int = 8) -> tuple[list, list, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 
 from gridgraph.errors import GridError, PlacementError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
-from gridgraph.exec.ipfs import connect
+from gridgraph.exec.ipfs.client import connect
 from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on

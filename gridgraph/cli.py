@@ -14,11 +14,11 @@ import argparse
 import logging
 import sys
 
-from gridgraph.exec import ipfs_nodes
+from gridgraph.exec.ipfs import swarm
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from gridgraph.exec.ipfs import run_worker  # imports torch: only when needed
+    from gridgraph.exec.ipfs.worker_main import run_worker  # imports torch: only when needed
 
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=_worker)
 
     ipfs = commands.add_parser("ipfs", help="start or stop a local Kubo swarm on loopback")
-    ipfs_nodes.add_cli(ipfs.add_subparsers(dest="action", required=True))
+    swarm.add_cli(ipfs.add_subparsers(dest="action", required=True))
 
     demo = commands.add_parser("demo", help="train a small model on 3 in-process workers")
     demo.set_defaults(func=_demo)

@@ -1,6 +1,6 @@
 """`Grid`: what a user holds: the workers, sending tensors and models, stats, closing.
 
-`local_grid(n)` builds one in this process over a `LocalBus`; `connect()` (ipfs.py) builds
+`local_grid(n)` builds one in this process over a `LocalBus`; `connect()` (ipfs/client.py) builds
 one over Kubo. Both hand a `Client` and worker names to `Grid`; nothing above the transport
 differs.
 """

@@ -2,7 +2,7 @@
 
 Everything above this file (client, worker) talks only to `Transport`. There are two
 implementations: `LocalBus` here (in-process workers, the embedded default) and the Kubo
-PubSub transport in `ipfs_transport.py`. Delivery is best effort and unordered across topics;
+PubSub transport in `ipfs/transport.py`. Delivery is best effort and unordered across topics;
 the layers above add message ids, acknowledgements and retries.
 
 A handler is called as `handler(sender, payload)`, where `sender` is the publishing

@@ -21,8 +21,15 @@ from pathlib import Path
 import pytest
 
 import gridgraph as gg
-from gridgraph.exec.ipfs import discover, spawn_worker, stop_worker
-from gridgraph.exec.ipfs_nodes import NodeInfo, find_ipfs_binary, start_nodes, stop_nodes
+from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec.ipfs.swarm import (
+    NodeInfo,
+    find_ipfs_binary,
+    spawn_worker,
+    start_nodes,
+    stop_nodes,
+    stop_worker,
+)
 
 
 @pytest.fixture(scope="session")

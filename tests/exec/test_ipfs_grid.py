@@ -25,10 +25,10 @@ from ipfs_fixtures import WorkerProcess, start_workers, stop_all
 import gridgraph as gg
 from gridgraph.cli import main
 from gridgraph.exec import wire
-from gridgraph.exec.ipfs import GridTransport, grid_over, spawn_worker
-from gridgraph.exec.ipfs_nodes import NodeInfo
-from gridgraph.exec.ipfs_transport import pack_blocks
-from gridgraph.exec.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.client import grid_over
+from gridgraph.exec.ipfs.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker
+from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.transport import Handler, Transport
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot

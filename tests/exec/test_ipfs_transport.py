@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from ipfs_fixtures import Inbox
 
-from gridgraph.exec.ipfs_nodes import NodeInfo
-from gridgraph.exec.ipfs_transport import INLINE_MAX, IpfsTransport
+from gridgraph.exec.ipfs.swarm import NodeInfo
+from gridgraph.exec.ipfs.transport import INLINE_MAX, IpfsTransport
 
 pytestmark = [
     pytest.mark.ipfs,

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from gridgraph.exec.kubo import MAX_BLOCK_SIZE, Kubo, PubsubMessage
+from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, PubsubMessage
 
 pytestmark = [
     pytest.mark.ipfs,

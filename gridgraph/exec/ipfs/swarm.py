@@ -30,11 +30,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gridgraph.exec.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.discovery import check_name, discover
+from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 
 INSTALL_HINT = "run scripts/install_kubo.sh (it prints the binary's path) or set IPFS_BIN"
 
@@ -316,10 +319,62 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m gridgraph.exec.ipfs_nodes")
+    parser = argparse.ArgumentParser(prog="python -m gridgraph.exec.ipfs.swarm")
     add_cli(parser.add_subparsers(required=True))
     parsed = parser.parse_args()
     try:
         parsed.func(parsed)
     except (FileNotFoundError, RuntimeError) as error:  # KuboError is a RuntimeError
         parser.exit(1, f"error: {error}\n")
+
+
+# --- local worker processes: what tests, the demo and the benchmark start ----------------
+
+
+def spawn_worker(
+    api: str, name: str, log_path: Path, *, lease: float | None = None, log_level: str = "INFO"
+) -> subprocess.Popen:
+    """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`."""
+    args = [sys.executable, "-m", "gridgraph", "worker", "--ipfs", api,
+            "--name", check_name(name), "--log-level", log_level]  # fmt: skip
+    if lease is not None:
+        args += ["--lease", str(lease)]
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+def stop_worker(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM one worker process we started (by its pid), SIGKILL it after `grace` s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def local_swarm(n: int, root: Path, *, log_level: str = "INFO") -> Iterator[list[str]]:
+    """`n` loopback Kubo nodes under `root`, worker w<i> on node i; yields the nodes' APIs.
+
+    Everything started here is stopped on exit (workers by pid, then the daemons).
+
+    Example:
+        with local_swarm(3, Path("/tmp/swarm")) as apis, connect(apis[0], 3) as grid: ...
+    """
+    root = Path(root)
+    nodes = start_nodes(n, root)
+    procs: list[subprocess.Popen] = []
+    try:
+        for node in nodes:
+            log_path = root / f"worker{node.index}.log"
+            procs.append(spawn_worker(node.api, f"w{node.index}", log_path, log_level=log_level))
+        discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=60, procs=procs)
+        yield [node.api for node in nodes]
+    finally:
+        for proc in procs:
+            stop_worker(proc)
+        stop_nodes(root)

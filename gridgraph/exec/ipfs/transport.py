@@ -29,16 +29,19 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 
-from gridgraph.exec.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
+from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.transport import Handler, Transport
+from gridgraph.exec.worker import DISCOVERY_TOPIC
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ ENVELOPE_VERSION = 1
 INLINE_MAX = 256 * 1024
 BLOCK_SIZE = 512 * 1024
 FETCH_PARALLELISM = 8
+MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
+PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
+STORED_KEPT = 16  # large payloads whose blocks a transport remembers, for resending
 assert BLOCK_SIZE <= MAX_BLOCK_SIZE
 
 
@@ -228,3 +234,86 @@ class IpfsTransport(Transport):
         if len(piece) != size:
             raise MalformedEnvelope(f"block {cid} has {len(piece)} bytes, envelope says {size}")
         return piece
+
+
+class GridTransport(IpfsTransport):
+    """IpfsTransport tuned for gridgraph's retries. Upstream candidates, both:
+
+    - Publishes again when Kubo refuses a message with "validation ignored". Kubo validates a
+      node's own publications concurrently and ignores one whose seqno is below one it already
+      accepted, so two threads or processes publishing through one node at once (a worker's
+      heartbeat and its replies, a client sharing a worker's node) make one fail. That message
+      never went out: sending it again is safe. (Receiving nodes run the same check, also
+      concurrently, and drop a message now and then: the layers above resend.)
+    - Stores a large payload's blocks once: a retried request or transfer (the same bytes)
+      publishes only a new envelope naming the same blocks.
+    """
+
+    def __init__(self, api: str, **kwargs) -> None:
+        super().__init__(api, **kwargs)
+        self._stored: OrderedDict[bytes, list[tuple[str, int]]] = OrderedDict()  # by digest
+        self._stored_lock = threading.Lock()
+
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        if self._closed.is_set():
+            raise RuntimeError(f"transport {self.identity} is closed")
+        if len(payload) <= INLINE_MAX:
+            message, blocked = pack_inline(bytes(payload)), 0
+        else:
+            message, blocked = pack_blocks(self._blocks(payload), len(payload)), len(payload)
+        for attempt in range(PUBLISH_TRIES):
+            try:
+                self.kubo.pubsub_pub(topic, message)
+                break
+            except KuboError as e:
+                if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
+                    raise
+                time.sleep(0.001 * 2**attempt)
+        if counted:
+            self.sent.add(len(message) + blocked)
+
+    def _blocks(self, payload: bytes) -> list[tuple[str, int]]:
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        with self._stored_lock:
+            if digest in self._stored:
+                self._stored.move_to_end(digest)
+                return self._stored[digest]
+        view = memoryview(payload)
+        pieces = [view[i : i + BLOCK_SIZE] for i in range(0, len(view), BLOCK_SIZE)]
+        blocks = [(self.kubo.block_put(bytes(piece)), len(piece)) for piece in pieces]
+        with self._stored_lock:
+            self._stored[digest] = blocks
+            while len(self._stored) > STORED_KEPT:
+                self._stored.popitem(last=False)
+        return blocks
+
+
+def open_transport(cls: type[IpfsTransport], ipfs: str, **kwargs) -> IpfsTransport:
+    try:
+        return cls(ipfs, **kwargs)
+    except KuboError as e:
+        raise KuboError(f"cannot reach the Kubo node at {ipfs} ({e}); is `ipfs daemon` running "
+                        "there? (`gridgraph ipfs up` starts a local swarm)") from e  # fmt: skip
+
+
+class WorkerTransport(GridTransport):
+    """GridTransport for a worker: refuses oversized messages before fetching their blocks,
+    and logs each message it receives (DEBUG)."""
+
+    def __init__(self, api: str, *, max_payload: int = MAX_PAYLOAD, **kwargs) -> None:
+        super().__init__(api, **kwargs)
+        self.max_payload = max_payload
+
+    def _payload(self, message: bytes) -> bytes:
+        envelope = unpack(message)
+        size = envelope["t"] if "b" in envelope else len(envelope["d"])
+        if size > self.max_payload:
+            raise MalformedEnvelope(f"{size} bytes is over this worker's {self.max_payload}")
+        return super()._payload(message)
+
+    def subscribe(self, topic: str, handler: Handler) -> None:
+        def logged(sender: str, payload: bytes) -> None:
+            log.debug("%d bytes on %s from %s", len(payload), topic, sender)
+            handler(sender, payload)
+
+        super().subscribe(topic, logged if topic != DISCOVERY_TOPIC else handler)

@@ -1,0 +1,234 @@
+"""Worker discovery on the grid's discovery topic: who is alive, and which peer owns a name.
+
+Discovery: every worker publishes a heartbeat on `DISCOVERY_TOPIC` every `HEARTBEAT` seconds,
+`{"kind": "announce", "name", "instance", "lease", "seq"}` (at once, too, when a client
+publishes `{"kind": "discover"}` there), and `{"kind": "leave", ...}` when it stops cleanly.
+A `Directory` follows that topic and keeps, per worker name, the peer id
+that announced it (signed by libp2p, so trustworthy), the process instance and when it was
+last heard. Policy:
+- a worker is alive while heard within `DEAD_AFTER` seconds and not gone (`leave`); a client
+  waiting on a dead worker raises `WorkerLost` (Client polls `alive` every 0.25 s), so a
+  killed worker is noticed in DEAD_AFTER + ~1 s;
+- a name belongs to the first peer that announces it; another peer claiming it while the
+  owner is alive is ignored (and logged), so no peer can hijack a live worker's transfers;
+- a client pins the instance it connected to: a worker restarted under the same name has lost
+  its tensors, so to that client it is lost too.
+
+Workers use their Directory to check that a transfer claiming to come from worker `w` was
+published by `w`'s peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gridgraph.errors import GridError
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs.kubo import KuboError
+from gridgraph.exec.ipfs.transport import IpfsTransport
+from gridgraph.exec.transport import Transport
+from gridgraph.exec.worker import DISCOVERY_TOPIC
+
+log = logging.getLogger("gridgraph.ipfs")
+
+HEARTBEAT = 1.0  # seconds between a worker's announcements
+DEAD_AFTER = 5.0  # a worker unheard for this long is lost (WorkerLost within 10 s)
+DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"bad worker name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+    return name
+
+
+@dataclass
+class Seen:
+    """What the directory knows about one worker name."""
+
+    identity: str  # peer id that announced it
+    instance: str  # the announcing process (changes on restart)
+    last_seen: float
+    lease: float
+    gone: bool = False
+
+
+class Directory:
+    """Workers heard on the discovery topic: name -> peer id, instance, last seen.
+
+    Example:
+        directory = Directory()
+        transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+        names = directory.wait(min_workers=3, timeout=60)
+        directory.alive("w1"), directory.identity("w1")
+    """
+
+    def __init__(
+        self, dead_after: float = DEAD_AFTER, on_discover: Callable[[], None] = lambda: None
+    ) -> None:
+        self.dead_after = dead_after
+        self.on_discover = on_discover  # a worker announces itself now
+        self._seen: dict[str, Seen] = {}
+        self._pinned: dict[str, str] = {}  # name -> instance this client connected to
+        self._warned: set[tuple[str, str]] = set()
+        self._cv = threading.Condition()
+
+    def on_message(self, sender: str, payload: bytes) -> None:
+        """The discovery topic's handler: record announcements and departures; pass on a
+        client's request to announce now."""
+        try:
+            msg = wire.decode(payload)
+            if msg["kind"] == "discover":  # a client looking for workers: answer at once
+                self.on_discover()
+                return
+            name, instance = check_name(msg.get("name")), msg.get("instance")
+            if not isinstance(instance, str):
+                raise ValueError("no instance")
+        except ValueError as e:  # WireError is a ValueError
+            log.warning("ignored a discovery message from %s: %s", sender, e)
+            return
+        now = time.monotonic()
+        with self._cv:
+            known = self._seen.get(name)
+            if known is not None and known.identity != sender and self._fresh(known, now):
+                if (name, sender) not in self._warned:
+                    self._warned.add((name, sender))
+                    log.warning(
+                        "peer %s claims worker name %r, which belongs to live peer %s; ignored",
+                        sender,
+                        name,
+                        known.identity,
+                    )
+                return
+            if msg["kind"] == "announce":
+                lease = msg.get("lease")
+                lease = float(lease) if isinstance(lease, int | float) else DEFAULT_LEASE
+                self._seen[name] = Seen(sender, instance, now, lease)
+            elif msg["kind"] == "leave" and known is not None and known.instance == instance:
+                known.gone = True
+            self._cv.notify_all()
+
+    def _fresh(self, seen: Seen, now: float) -> bool:
+        return not seen.gone and now - seen.last_seen <= self.dead_after
+
+    def live(self) -> list[str]:
+        """Names of the workers heard lately, sorted."""
+        now = time.monotonic()
+        with self._cv:
+            return sorted(n for n, s in self._seen.items() if self._fresh(s, now))
+
+    def alive(self, name: str) -> bool:
+        """Heard lately, and (once pinned) still the same process."""
+        with self._cv:
+            seen = self._seen.get(name)
+            if seen is None or not self._fresh(seen, time.monotonic()):
+                return False
+            return self._pinned.get(name, seen.instance) == seen.instance
+
+    def identity(self, name: str, wait: float = 0.0) -> str | None:
+        """The peer id of worker `name`, waiting up to `wait` s to hear of it; None if unknown."""
+        deadline = time.monotonic() + wait
+        with self._cv:
+            while name not in self._seen and time.monotonic() < deadline:
+                self._cv.wait(deadline - time.monotonic())
+            seen = self._seen.get(name)
+            return seen.identity if seen is not None else None
+
+    def heard_since(self, name: str, since: float) -> Seen | None:
+        with self._cv:
+            seen = self._seen.get(name)
+            return seen if seen is not None and seen.last_seen >= since else None
+
+    def lease(self, names: list[str]) -> float:
+        """The shortest lease these workers announce."""
+        with self._cv:
+            return min(
+                (self._seen[n].lease for n in names if n in self._seen), default=DEFAULT_LEASE
+            )
+
+    def pin(self, names: list[str]) -> None:
+        """Remember which process answers to each name; a later one counts as a lost worker."""
+        with self._cv:
+            for n in names:
+                self._pinned[n] = self._seen[n].instance
+
+    def wait(
+        self,
+        min_workers: int = 1,
+        timeout: float = 60.0,
+        names: list[str] | None = None,
+        settle: float = 0.0,
+        where: str = "the grid",
+    ) -> list[str]:
+        """Wait until `names` (or at least `min_workers` workers) are alive; return the names.
+
+        Without `names`, keeps listening until `settle` s have passed, so every live worker
+        has announced itself at least once. Raises GridError at `timeout`.
+        """
+        start = time.monotonic()
+        with self._cv:
+            while True:
+                live = self.live()
+                now = time.monotonic()
+                if names is not None:
+                    if all(n in live for n in names):
+                        return list(names)
+                elif len(live) >= min_workers and (now - start >= settle or now - start > timeout):
+                    return live
+                if now - start > timeout:
+                    wanted = f"workers {', '.join(names)}" if names else f"{min_workers} workers"
+                    raise GridError(
+                        f"waited {timeout:g} s for {wanted} on {where}; found {len(live)} "
+                        f"({', '.join(live) or 'none'}). Start workers with `gridgraph worker "
+                        f"--ipfs ADDR --name NAME`, on nodes connected to this one (check "
+                        f"`ipfs swarm peers`)"
+                    )
+                self._cv.wait(0.1)
+
+
+def ask_workers(transport: Transport) -> None:
+    """Ask every worker to announce itself now rather than at its next heartbeat."""
+    try:
+        transport.publish(DISCOVERY_TOPIC, wire.encode({"kind": "discover"}), counted=False)
+    except KuboError as e:  # the heartbeats will do
+        log.debug("discover: %s", e)
+
+
+def discover(
+    ipfs: str,
+    min_workers: int = 1,
+    timeout: float = 60.0,
+    names: list[str] | None = None,
+    procs: list[subprocess.Popen] = (),
+) -> list[str]:
+    """The live workers heard through `ipfs` (as `connect` would find them), without a client.
+
+    Fails early, naming it, if one of `procs` (workers we started) exits meanwhile.
+    """
+    transport = IpfsTransport(ipfs, deliver_own=True)
+    try:
+        directory = Directory()
+        transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+        ask_workers(transport)
+        deadline = time.monotonic() + timeout
+        while True:
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise GridError(
+                        f"worker process {' '.join(proc.args[-6:])} exited with {proc.returncode}"
+                    )
+            try:
+                left = min(1.0, deadline - time.monotonic())
+                return directory.wait(min_workers, left, names, settle=HEARTBEAT, where=ipfs)
+            except GridError:
+                if time.monotonic() >= deadline:
+                    raise
+    finally:
+        transport.close()

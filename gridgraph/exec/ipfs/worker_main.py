@@ -1,0 +1,136 @@
+"""The worker process on a Kubo node: what `gridgraph worker` runs.
+
+It announces itself on the discovery topic every `heartbeat` s (and at once when a client
+asks), refuses to start under a name a live worker already holds, serves requests with a
+`Worker` (gridgraph.exec.worker) over a `WorkerTransport`, frees the tensors of clients silent
+past their lease, and says goodbye on the discovery topic when it stops (SIGTERM/SIGINT).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs.discovery import DEFAULT_LEASE, HEARTBEAT, Directory, check_name
+from gridgraph.exec.ipfs.kubo import KuboError
+from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
+from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker
+
+log = logging.getLogger("gridgraph.ipfs")
+
+
+def run_worker(
+    ipfs: str,
+    name: str,
+    *,
+    lease: float = DEFAULT_LEASE,
+    heartbeat: float = HEARTBEAT,
+    recv_timeout: float = 120.0,
+    max_payload: int = MAX_PAYLOAD,
+    stop: threading.Event | None = None,
+) -> int:
+    """Serve as worker `name` through the Kubo node at `ipfs` until SIGTERM/SIGINT (or `stop`).
+
+    Announces itself every `heartbeat` s, frees the tensors of clients silent for `lease` s,
+    and says goodbye on the discovery topic when it stops. Returns the exit status.
+
+    Example:
+        run_worker("/ip4/127.0.0.1/tcp/5001", "w1")   # what `gridgraph worker` runs
+    """
+    check_name(name)
+    if not lease > 0:
+        raise ValueError(f"lease must be positive, got {lease}")
+    stop = stop or threading.Event()
+    transport = open_transport(WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, stop)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _serve_as_worker(
+    transport: WorkerTransport, ipfs: str, name: str, lease: float, heartbeat: float,
+    recv_timeout: float, stop: threading.Event,
+) -> int:  # fmt: skip
+    instance = uuid.uuid4().hex[:12]
+    asked = threading.Event()  # a client asked for announcements (or we are stopping)
+    threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
+    directory = Directory(on_discover=asked.set)
+    transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+    # Refuse a name another running worker announces: two would answer the same requests.
+    listening = time.monotonic()
+    if stop.wait(1.5 * heartbeat):
+        transport.close()
+        return 0
+    rival = directory.heard_since(name, listening)
+    if rival is not None:
+        transport.close()
+        log.error("a worker named %r is already running (peer %s); pick another --name",
+                  name, rival.identity)  # fmt: skip
+        return 1
+    worker = Worker(
+        name,
+        transport,
+        recv_timeout=recv_timeout,
+        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
+        # a worker never heard of may still be starting: only one gone silent is dead
+        peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
+    )
+    log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
+    failing = False
+
+    def announce(kind: str, seq: int) -> None:
+        nonlocal failing
+        msg = {"kind": kind, "name": name, "instance": instance, "lease": lease, "seq": seq}
+        try:
+            transport.publish(DISCOVERY_TOPIC, wire.encode(msg), counted=False)
+        except KuboError as e:
+            if not failing:  # once, not every second while the node is down
+                log.warning("%s: cannot announce through %s: %s", name, ipfs, e)
+            failing = True
+            return
+        if failing:
+            log.info("%s: announcing again", name)
+        failing = False
+
+    check_every = min(max(lease / 4, heartbeat), 30.0)
+    next_check = time.monotonic() + check_every
+    last_report: tuple = ()
+    seq = 0
+    while not stop.is_set():
+        announce("announce", seq)
+        seq += 1
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + check_every
+            report = _expire(worker, lease)
+            if report is not None and report != last_report:
+                last_report = report
+                log.info("%s: %d clients, %d tensors (%d bytes); %d ops run since the last "
+                         "stats reset", name, *report)  # fmt: skip
+        asked.wait(heartbeat)
+        asked.clear()
+        stop.wait(0.05)  # at most 20 announcements a second, however often we are asked
+    log.info("worker %s stopping", name)
+    announce("leave", seq)
+    worker.close()
+    return 0
+
+
+def _expire(worker: Worker, lease: float) -> tuple | None:
+    """Free the tensors of clients silent past the lease; return what the worker holds."""
+    try:  # the execution thread may change the store meanwhile: a clash only delays this
+        worker.expire_clients(lease)
+        store = worker.store
+        return len(store.clients()), len(store), store.stored_bytes(), worker.ops_run
+    except (RuntimeError, KeyError) as e:
+        log.debug("%s: lease check deferred: %s", worker.name, e)
+        return None
