@@ -2,7 +2,8 @@
 
 A message is framed as
 
-    [4 bytes: length of the msgpack header] [msgpack header] [tensor data, 64-byte aligned]
+    [4 bytes: length n of the msgpack header] [msgpack header] [zero padding]
+    [tensor data, from offset align64(4 + n); each tensor at a 64-byte aligned offset]
 
 The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbytes]`
 pointing into the data region, so tensor bytes are copied once when a message is built and
@@ -15,7 +16,10 @@ extension type that decodes to a plain value from a fixed table:
     6 memory format / layout      7 complex
 
 The receiver checks that each tensor's byte count matches its shape and dtype and lies
-inside the data region before building it.
+inside the data region before building it. Kernels need tensors aligned for their dtype (a
+misaligned complex128 crashes some): offsets are aligned within the message, and a tensor
+whose address is still misaligned (the buffer itself was, as a slice of a network read can
+be) is copied into fresh memory rather than viewed.
 """
 
 from __future__ import annotations
@@ -107,7 +111,10 @@ def _unpack_tensor(obj: Any, data: memoryview) -> torch.Tensor:
         raise WireError("tensor data lies outside the message")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).reshape(shape)
+    tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=offset)
+    if tensor.data_ptr() % dtype.itemsize:  # a misaligned buffer: never hand it to a kernel
+        tensor = tensor.clone()
+    return tensor.reshape(shape)
 
 
 def _default(obj: Any) -> Any:
@@ -162,7 +169,8 @@ def encode(message: dict) -> bytearray:
     """A message (a dict of plain values, tensors, slots ...) as one buffer."""
     enc = _Encoder()
     header = msgpack.packb(message, default=enc.default, use_bin_type=True)
-    return bytearray().join([len(header).to_bytes(4, "little"), header, *enc.chunks])
+    pad = bytes(-(4 + len(header)) % _ALIGN)
+    return bytearray().join([len(header).to_bytes(4, "little"), header, pad, *enc.chunks])
 
 
 def decode(payload: bytes | bytearray) -> dict:
@@ -177,7 +185,7 @@ def decode(payload: bytes | bytearray) -> dict:
         raise WireError("message header is truncated")
     if not isinstance(payload, bytearray) and len(payload) > 4 + n:
         payload = bytearray(payload)  # tensors need a writable buffer
-    data = memoryview(payload)[4 + n :]
+    data = memoryview(payload)[4 + n + -(4 + n) % _ALIGN :]
 
     def ext_hook(code: int, ext: bytes) -> Any:
         if code == 3:
