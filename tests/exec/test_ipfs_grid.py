@@ -26,11 +26,12 @@ import gridgraph as gg
 from gridgraph.cli import main
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.client import grid_over
+from gridgraph.exec.ipfs.discovery import Directory, ask_workers
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.transport import Handler, Transport
-from gridgraph.exec.worker import worker_topic
+from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
 from gridgraph.schedule.plan import Slot
 
 pytestmark = [
@@ -76,28 +77,59 @@ class Tap(Transport):
     def close(self) -> None:
         self.inner.close()
 
+    def recipient(self, topic: str) -> str | None:
+        return self.inner.recipient(topic)
+
+    @property
+    def directory(self) -> Directory | None:
+        return self.inner.directory
+
+    @directory.setter
+    def directory(self, directory: Directory) -> None:
+        self.inner.directory = directory
+
 
 class Raw:
-    """A bare peer that sends hand-made requests to workers and collects the replies."""
+    """A bare peer that sends hand-made requests to workers and collects the replies: a
+    client of its own (sealed for the worker, as any peer of the grid can), whose messages
+    say what the test wants, any session included."""
 
     def __init__(self, api: str) -> None:
-        self.transport = GridTransport(api, deliver_own=True)
-        self.topic = f"test.raw.{uuid.uuid4().hex}"
+        self.transport = GridTransport(api, deliver_own=True, resolve_wait=10.0)
+        self.transport.directory = Directory()
+        self.transport.subscribe(DISCOVERY_TOPIC, self.transport.directory.on_message)
+        ask_workers(self.transport)
+        self.session = uuid.uuid4().hex[:12]
         self.replies: queue.Queue[dict] = queue.Queue()
-        self.transport.subscribe(self.topic, lambda s, p: self.replies.put(wire.decode(p)))
+        self._topics: set[str] = set()
+        self.topic = self.reply_topic(self.session)
+
+    def reply_topic(self, session: str) -> str:
+        """Our reply topic for `session` (the only one a worker answers us on)."""
+        topic = f"gridgraph.client.{self.transport.identity}.{session}"
+        if topic not in self._topics:
+            self._topics.add(topic)
+            self.transport.subscribe(topic, lambda s, p: self.replies.put(wire.decode(p)))
+        return topic
+
+    def envelope(self, msg: dict) -> dict:
+        """`msg` with a fresh id, and a session and reply topic unless it names them."""
+        session = msg.get("session", self.session)
+        head = {"id": uuid.uuid4().hex, "session": session, "reply_to": self.reply_topic(session)}
+        return {**head, **msg}
 
     def send(self, worker: str, msg: dict) -> str:
-        rid = uuid.uuid4().hex
-        self.publish(worker, wire.encode({"id": rid, "reply_to": self.topic, **msg}))
-        return rid
+        msg = self.envelope(msg)
+        self.publish(worker, wire.encode(msg))
+        return msg["id"]
 
     def publish(self, worker: str, payload: bytes) -> None:
         self.transport.publish(worker_topic(worker), payload)
 
     def request(self, worker: str, msg: dict, timeout: float = 15.0) -> dict:
         """Send, resending the same request id until its reply comes."""
-        rid = uuid.uuid4().hex
-        payload = wire.encode({"id": rid, "reply_to": self.topic, "free": [], **msg})
+        msg = self.envelope({"free": [], **msg})
+        rid, payload = msg["id"], wire.encode(msg)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.publish(worker, payload)
@@ -299,7 +331,7 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
     x = a.send(ipfs_grid.workers[1])
     session, vid = ipfs_grid.client.session, x._vid
     kubo = raw_peer.transport.kubo
-    topic = worker_topic("w1")
+    topic = raw_peer.transport.wire_topic(worker_topic("w1"))  # as the worker subscribes it
     # Dropped before any reply is possible: logged by the worker.
     kubo.pubsub_pub(topic, b"\x00not an envelope")
     raw_peer.publish("w1", os.urandom(1000))  # an envelope of garbage
