@@ -10,28 +10,24 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import WorkerProcess, start_workers, stop_all
+from ipfs_fixtures import Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.cli import main
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.client import grid_over
-from gridgraph.exec.ipfs.discovery import Directory, ask_workers
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
-from gridgraph.exec.transport import Handler, Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
+from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
 pytestmark = [
@@ -41,109 +37,6 @@ pytestmark = [
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-class Tap(Transport):
-    """Wraps an endpoint: `outgoing(topic, payload)` says how many times to really publish,
-    `incoming(topic, payload)` whether to deliver. Counts what it dropped and repeated."""
-
-    def __init__(
-        self,
-        inner: Transport,
-        outgoing: Callable[[str, bytes], int] = lambda t, p: 1,
-        incoming: Callable[[str, bytes], bool] = lambda t, p: True,
-    ) -> None:
-        super().__init__()
-        self.inner, self.outgoing, self.incoming = inner, outgoing, incoming
-        self.identity, self.sent = inner.identity, inner.sent
-        self.dropped = self.repeated = 0
-
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
-        times = self.outgoing(topic, payload)
-        self.dropped += times == 0
-        self.repeated += max(times - 1, 0)
-        for _ in range(times):
-            self.inner.publish(topic, payload, counted)
-
-    def subscribe(self, topic: str, handler: Handler) -> None:
-        def filtered(sender: str, payload: bytes) -> None:
-            if self.incoming(topic, payload):
-                handler(sender, payload)
-            else:
-                self.dropped += 1
-
-        self.inner.subscribe(topic, filtered)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def recipient(self, topic: str) -> str | None:
-        return self.inner.recipient(topic)
-
-    @property
-    def directory(self) -> Directory | None:
-        return self.inner.directory
-
-    @directory.setter
-    def directory(self, directory: Directory) -> None:
-        self.inner.directory = directory
-
-
-class Raw:
-    """A bare peer that sends hand-made requests to workers and collects the replies: a
-    client of its own (sealed for the worker, as any peer of the grid can), whose messages
-    say what the test wants, any session included."""
-
-    def __init__(self, api: str) -> None:
-        self.transport = GridTransport(api, deliver_own=True, resolve_wait=10.0)
-        self.transport.directory = Directory()
-        self.transport.subscribe(DISCOVERY_TOPIC, self.transport.directory.on_message)
-        ask_workers(self.transport)
-        self.session = uuid.uuid4().hex[:12]
-        self.replies: queue.Queue[dict] = queue.Queue()
-        self._topics: set[str] = set()
-        self.topic = self.reply_topic(self.session)
-
-    def reply_topic(self, session: str) -> str:
-        """Our reply topic for `session` (the only one a worker answers us on)."""
-        topic = f"gridgraph.client.{self.transport.identity}.{session}"
-        if topic not in self._topics:
-            self._topics.add(topic)
-            self.transport.subscribe(topic, lambda s, p: self.replies.put(wire.decode(p)))
-        return topic
-
-    def envelope(self, msg: dict) -> dict:
-        """`msg` with a fresh id, and a session and reply topic unless it names them."""
-        session = msg.get("session", self.session)
-        head = {"id": uuid.uuid4().hex, "session": session, "reply_to": self.reply_topic(session)}
-        return {**head, **msg}
-
-    def send(self, worker: str, msg: dict) -> str:
-        msg = self.envelope(msg)
-        self.publish(worker, wire.encode(msg))
-        return msg["id"]
-
-    def publish(self, worker: str, payload: bytes) -> None:
-        self.transport.publish(worker_topic(worker), payload)
-
-    def request(self, worker: str, msg: dict, timeout: float = 15.0) -> dict:
-        """Send, resending the same request id until its reply comes."""
-        msg = self.envelope({"free": [], **msg})
-        rid, payload = msg["id"], wire.encode(msg)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.publish(worker, payload)
-            try:
-                while True:
-                    reply = self.replies.get(timeout=0.5)
-                    if reply.get("re") == rid:
-                        return reply
-            except queue.Empty:
-                continue
-        raise TimeoutError(f"no reply from {worker} to {msg.get('kind')}")
-
-    def close(self) -> None:
-        self.transport.close()
 
 
 @pytest.fixture

@@ -83,6 +83,7 @@ PENDING_MAX = 64  # block payloads in flight in all
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
+ACK_COPIES = 2  # PubSub drops ~1% of messages: a lost ack would leave the sender's blocks
 WORKER_PREFIX = "gridgraph.worker."  # + worker name
 CLIENT_PREFIX = "gridgraph.client."  # + client identity + "." + session
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
@@ -487,7 +488,8 @@ class GridTransport(IpfsTransport):
         """Tell the sender we have its blocks, so that it removes them too."""
         ack = msgpack.packb({"i": envelope["i"]})
         try:
-            self.publish(ACK_PREFIX + sender, ack, counted=False)
+            for _ in range(ACK_COPIES):
+                self.publish(ACK_PREFIX + sender, ack, counted=False)
         except (KuboError, RuntimeError) as error:  # closed, or the node is down
             log.debug("ack to %s not sent: %s", sender, error)
 
