@@ -29,8 +29,8 @@ data = version, both public keys, the counter and the PubSub topic, so a message
 moved to another topic or receiver. Nothing else is in the clear.
 
 Large payloads travel as blocks (ipfs/transport.py): each payload gets a fresh random key
-(`seal_blob`), its pieces are encrypted under it with the piece's index as nonce, and that key
-travels inside the sealed message that names the blocks.
+(`new_blob_key`); `seal_pieces` encrypts its pieces under it, each piece's index as nonce,
+and that key travels inside the sealed message that names the blocks.
 
 Every failure to open (wrong key, truncated or tampered ciphertext, a replayed counter,
 garbage) raises `Rejected`, naming what was wrong; callers log it and drop the message.
@@ -247,16 +247,27 @@ def new_blob_key() -> bytes:
     return AESGCM.generate_key(bit_length=256)
 
 
-def seal_piece(key: bytes, index: int, piece: bytes | memoryview) -> bytes:
-    """Piece `index` of a payload, encrypted under the payload's own key."""
-    return AESGCM(key).encrypt(_nonce(index), piece, None)
+def seal_pieces(key: bytes, payload: bytes | bytearray, size: int) -> list[bytes]:
+    """`payload` cut into pieces of `size` bytes, each encrypted under the payload's own key
+    with its index as nonce (so a piece cannot be moved to another place)."""
+    aead, view = AESGCM(key), memoryview(payload)
+    starts = range(0, len(view), size)
+    return [aead.encrypt(_nonce(i), view[s : s + size], None) for i, s in enumerate(starts)]
 
 
-def open_piece(key: bytes, index: int, sealed: bytes) -> bytes:
-    """The plaintext of piece `index`; raises Rejected if it was altered or misplaced."""
-    if len(sealed) < TAG_BYTES:
-        raise Rejected(f"block {index} is truncated")
-    try:
-        return AESGCM(key).decrypt(_nonce(index), sealed, None)
-    except (InvalidTag, ValueError):
-        raise Rejected(f"block {index} failed authentication") from None
+def open_pieces(key: bytes, pieces: list[bytes]) -> bytearray:
+    """The payload `seal_pieces` cut; raises Rejected if a piece was altered, truncated or
+    misplaced. Decrypts in place into one buffer (a bytearray: wire.decode takes it as is)."""
+    if any(len(piece) < TAG_BYTES for piece in pieces):
+        raise Rejected("a block is truncated")
+    aead = AESGCM(key)
+    out = bytearray(sum(len(piece) - TAG_BYTES for piece in pieces))
+    view, start = memoryview(out), 0
+    for i, piece in enumerate(pieces):
+        end = start + len(piece) - TAG_BYTES
+        try:
+            aead.decrypt_into(_nonce(i), piece, None, view[start:end])
+        except InvalidTag:
+            raise Rejected(f"block {i} failed authentication") from None
+        start = end
+    return out

@@ -363,12 +363,12 @@ def test_a_silent_clients_tensors_expire_with_the_lease(
 ):
     [wl] = start_workers([(kubo_nodes[1], "wl")], tmp_path, lease=2)
     try:
-        put = {"kind": "put", "values": [[1, torch.ones(8)]], "session": "silent"}
-        assert raw_peer.request("wl", put)["ok"]
         with gg.connect(ipfs=kubo_nodes[0].api, workers=["wl"], timeout=30) as grid:
             a = torch.randn(8)
             x = a.send(grid.workers[0])  # this client pings every 2/3 s: it keeps its tensor
-            assert objects(grid) == {"wl": 2}
+            put = {"kind": "put", "values": [[1, torch.ones(8)]], "session": "silent"}
+            assert raw_peer.request("wl", put)["ok"]  # after connecting: a slow connect
+            assert objects(grid) == {"wl": 2}  # does not outlast the silent client's lease
             deadline = time.monotonic() + 10
             while objects(grid) != {"wl": 1} and time.monotonic() < deadline:
                 time.sleep(0.5)

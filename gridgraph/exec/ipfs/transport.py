@@ -342,7 +342,7 @@ class IpfsTransport(Transport):
         """(sender, checked envelope) of a message, or None to skip it silently."""
         return peer, unpack(message)
 
-    def _join(self, envelope: dict, pieces: list[bytes]) -> bytes:
+    def _join(self, envelope: dict, pieces: list[bytes]) -> bytes | bytearray:
         return b"".join(pieces)
 
     def _received(self, sender: str, envelope: dict) -> None:
@@ -442,11 +442,8 @@ class GridTransport(IpfsTransport):
             if stored is not None:
                 self._stored.move_to_end((digest, receiver))
                 return stored
-        key, view = secure.new_blob_key(), memoryview(payload)
-        pieces = [
-            secure.seal_piece(key, i, view[start : start + BLOCK_SIZE])
-            for i, start in enumerate(range(0, len(view), BLOCK_SIZE))
-        ]
+        key = secure.new_blob_key()
+        pieces = secure.seal_pieces(key, payload, BLOCK_SIZE)
         blocks = self._put_blocks(pieces, f"send to {topic}")
         stored = _Stored(os.urandom(16), key, blocks, sum(size for _, size in blocks))
         evicted = []
@@ -479,10 +476,9 @@ class GridTransport(IpfsTransport):
                 raise MalformedEnvelope("block list without its id")
         return sender, envelope
 
-    def _join(self, envelope: dict, pieces: list[bytes]) -> bytes:
+    def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
         self._remove([cid for cid, _ in envelope["b"]])  # our copies: we have the payload
-        key = envelope["k"]
-        return b"".join(secure.open_piece(key, i, piece) for i, piece in enumerate(pieces))
+        return secure.open_pieces(envelope["k"], pieces)
 
     def _received(self, sender: str, envelope: dict) -> None:
         """Tell the sender we have its blocks, so that it removes them too."""
