@@ -421,3 +421,8 @@ def test_cli_starts_and_stops_a_swarm(kubo_nodes, tmp_path, capsys):
 def test_cli_worker_without_a_node_says_so(capsys):
     assert main(["worker", "--ipfs", "/ip4/127.0.0.1/tcp/9", "--name", "w"]) == 1
     assert "cannot reach the Kubo node at /ip4/127.0.0.1/tcp/9" in capsys.readouterr().err
+
+
+def test_cli_id_prints_the_nodes_peer_id(kubo_nodes, capsys):
+    assert main(["id", "--ipfs", kubo_nodes[1].api]) == 0
+    assert capsys.readouterr().out.strip() == kubo_nodes[1].peer_id
