@@ -5,7 +5,7 @@ Fixtures (tests/conftest.py imports them, so every test module can use them):
   stopped by their recorded pids at the end;
 - `ipfs_workers` (session): one `python -m gridgraph worker` process per node, named w0, w1,
   w2 (w<i> on node i), logging to `<tmp>/workers/w<i>.log`; stopped by pid at the end;
-- `outsider_node` (session): a fourth node connected to the three, with no worker (for spies
+- `outsider_node` (module): a fourth node connected to the three, with no worker (for spies
   and attackers; import it from here);
 - `Tap` (wraps a transport to drop or repeat messages) and `Raw` (a peer sending hand-made
   requests) for tests of lost and hostile messages;
@@ -142,12 +142,13 @@ def ipfs_grid(kubo_nodes: list[NodeInfo], ipfs_workers: list[WorkerProcess]) -> 
         yield grid
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def outsider_node(
     kubo_nodes: list[NodeInfo], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[NodeInfo]:
     """A fourth Kubo node, connected to the other three, that runs no worker: the peer an
-    attacker or a spy would use (its peer ID is in no trust list)."""
+    attacker or a spy would use (its peer ID is in no trust list). Per module, so that the
+    other modules see the swarm of three."""
     root = tmp_path_factory.mktemp("outsider")
     [node] = start_nodes(1, root)
     try:

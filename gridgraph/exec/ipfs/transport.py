@@ -477,8 +477,11 @@ class GridTransport(IpfsTransport):
         return sender, envelope
 
     def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
-        self._remove([cid for cid, _ in envelope["b"]])  # our copies: we have the payload
-        return secure.open_pieces(envelope["k"], pieces)
+        payload = secure.open_pieces(envelope["k"], pieces)
+        # Our copies, now that we have the payload. Only once they open: a sender that names
+        # blocks it cannot open (someone else's, whose CIDs it saw) gets none removed.
+        self._remove([cid for cid, _ in envelope["b"]])
+        return payload
 
     def _received(self, sender: str, envelope: dict) -> None:
         """Tell the sender we have its blocks, so that it removes them too."""
