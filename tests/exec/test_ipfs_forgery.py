@@ -272,3 +272,18 @@ def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, at
     assert w1.proc.poll() is None
     a = torch.randn(3)
     assert torch.equal((a.send(ipfs_grid.workers[1]) - 2).get(), a - 2)
+
+
+def test_transfers_from_unknown_workers_do_not_stall_a_worker(ipfs_grid, ipfs_workers, attacker):
+    """Looking up who a transfer claims to come from never waits on the reader thread: a
+    burst naming workers nobody has heard of is dropped at once, and the worker serves on."""
+    a = torch.randn(4)
+    x = a.send(ipfs_grid.workers[1])
+    for i in range(20):
+        bogus = {"kind": "transfer", "client": "c/s", "run": 1, "value": 1, "src": f"ghost{i}",
+                 "tensor": torch.zeros(1)}  # fmt: skip
+        attacker.publish("w1", wire.encode(bogus))
+    start = time.monotonic()
+    assert torch.equal(x.get(), a)
+    assert time.monotonic() - start < 20  # 20 lookups waiting 2 s each would take 40 s
+    wait_for_log(worker(ipfs_workers, "w1"), "claiming to come from ghost19")

@@ -84,6 +84,7 @@ MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
 ACK_COPIES = 2  # PubSub drops ~1% of messages: a lost ack would leave the sender's blocks
+DELIVERED_KEPT = 1024  # ids of large payloads received, to recognise resent copies
 WORKER_PREFIX = "gridgraph.worker."  # + worker name
 CLIENT_PREFIX = "gridgraph.client."  # + client identity + "." + session
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
@@ -289,6 +290,9 @@ class IpfsTransport(Transport):
                             "are being fetched already", size, topic, peer, pending)  # fmt: skip
                 return
             self._pending[peer] = pending + 1
+        if not self._wanted(sender, envelope):
+            self._done(peer)
+            return
         try:
             self._assembler.submit(self._assemble, topic, peer, sender, envelope)
         except RuntimeError:  # closed meanwhile
@@ -342,6 +346,10 @@ class IpfsTransport(Transport):
         """(sender, checked envelope) of a message, or None to skip it silently."""
         return peer, unpack(message)
 
+    def _wanted(self, sender: str, envelope: dict) -> bool:
+        """Whether to fetch the blocks of this envelope (False: it is a copy of one we have)."""
+        return True
+
     def _join(self, envelope: dict, pieces: list[bytes]) -> bytes | bytearray:
         return b"".join(pieces)
 
@@ -388,6 +396,8 @@ class GridTransport(IpfsTransport):
         self.resolve_wait = resolve_wait  # how long to wait to hear of a worker named in a topic
         self._stored: OrderedDict[tuple[bytes, str], _Stored] = OrderedDict()
         self._stored_lock = threading.Lock()
+        self._fetching: set[tuple[str, bytes]] = set()  # (sender, payload id) being fetched
+        self._delivered: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # and done
         self.subscribe(ACK_PREFIX + self.identity, self._on_ack)
 
     def recipient(self, topic: str) -> str | None:
@@ -483,7 +493,41 @@ class GridTransport(IpfsTransport):
         self._remove([cid for cid, _ in envelope["b"]])
         return payload
 
+    def _wanted(self, sender: str, envelope: dict) -> bool:
+        """A resent envelope naming a payload we are fetching is dropped: the first copy
+        will be delivered. One naming a payload we already delivered is dropped too, and
+        acknowledged again: its sender may have removed the blocks (then they cannot be
+        fetched), or not have heard our ack (then it stores the payload anew next time it
+        sends it, and that copy is delivered: a request resent because its reply was lost
+        still reaches the worker, which answers it from its reply cache)."""
+        key = (sender, envelope["i"])
+        with self._stored_lock:
+            if key in self._delivered:
+                again = True
+            elif key in self._fetching:
+                return False
+            else:
+                self._fetching.add(key)
+                return True
+        if again:
+            self._acknowledge(sender, envelope)
+        return False
+
+    def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
+        try:
+            super()._assemble(topic, peer, sender, envelope)
+        finally:
+            with self._stored_lock:
+                self._fetching.discard((sender, envelope["i"]))
+
     def _received(self, sender: str, envelope: dict) -> None:
+        with self._stored_lock:
+            self._delivered[(sender, envelope["i"])] = None
+            while len(self._delivered) > DELIVERED_KEPT:
+                self._delivered.popitem(last=False)
+        self._acknowledge(sender, envelope)
+
+    def _acknowledge(self, sender: str, envelope: dict) -> None:
         """Tell the sender we have its blocks, so that it removes them too."""
         ack = msgpack.packb({"i": envelope["i"]})
         try:

@@ -93,7 +93,7 @@ def _serve_as_worker(
         name,
         transport,
         recv_timeout=recv_timeout,
-        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
+        peer_identity=directory.identity,  # no waiting: it runs on the reader thread
         # a worker never heard of may still be starting: only one gone silent is dead
         peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
     )
