@@ -310,7 +310,9 @@ class IpfsTransport(Transport):
         except (MalformedEnvelope, secure.Rejected, KuboError) as error:
             log.warning("dropped message on %r from %s: %s", topic, peer, error)
             return
-        except RuntimeError:  # the fetcher was shut down: closing
+        except Exception:
+            if not self._closed.is_set():  # else: the fetcher was shut down under us
+                log.exception("fetching a message on %r from %s failed", topic, peer)
             return
         finally:
             self._done(peer)
