@@ -9,7 +9,10 @@ node 1; the client and the raw calls use node 0. Prints:
   - tensor throughput, client -> worker (`send`) and worker -> client (`get`), next to raw
     `block put` on one node + `block get` on the other of the same bytes in 512 KiB blocks
     (as the transport cuts them, 8 fetches in flight), as ratios.
-Medians over the rounds; every payload is fresh random bytes, so no block is already there.
+Raw and gridgraph samples alternate, so both see the same load (the machine may be shared);
+medians over the rounds; every payload is fresh random bytes, so no block is already there.
+gridgraph encrypts every message and block end to end (gridgraph.exec.secure); the raw
+calls move plaintext.
 """
 
 from __future__ import annotations
@@ -37,86 +40,76 @@ def median_ms(samples: list[float]) -> float:
     return 1000 * statistics.median(samples)
 
 
-def raw_pubsub_rtt(near: Kubo, far: Kubo, rounds: int) -> tuple[list[float], int]:
-    """Round trips of a small message: pub on `near`, echoed back by a reader on `far`."""
-    ping = far.pubsub_sub("bench.ping")
-    pong = near.pubsub_sub("bench.pong")
-    inbox: queue.Queue[bytes] = queue.Queue()
+class Echo:
+    """A raw Kubo pubsub round trip: pub on `near`, echoed back by a reader on `far`."""
 
-    def echo() -> None:
-        for message in ping:
-            far.pubsub_pub("bench.pong", message.data)
+    def __init__(self, near: Kubo, far: Kubo) -> None:
+        self.near = near
+        self.ping, self.pong = far.pubsub_sub("bench.ping"), near.pubsub_sub("bench.pong")
+        self.inbox: queue.Queue[bytes] = queue.Queue()
+        self.lost = 0
 
-    def collect() -> None:
-        for message in pong:
-            inbox.put(message.data)
+        def echo() -> None:
+            for message in self.ping:
+                far.pubsub_pub("bench.pong", message.data)
 
-    for target in (echo, collect):
-        threading.Thread(target=target, daemon=True).start()
-    while not near.pubsub_peers("bench.ping") or not far.pubsub_peers("bench.pong"):
-        time.sleep(0.05)
-    samples, lost = [], 0
-    try:
-        for i in range(rounds + 5):
-            token = os.urandom(16)
-            start = time.perf_counter()
-            near.pubsub_pub("bench.ping", token)
-            try:
-                while inbox.get(timeout=2.0) != token:
-                    pass
-            except queue.Empty:
-                lost += 1  # PubSub is best effort: Kubo drops a message now and then
-                continue
-            if i >= 5:  # warm-up
-                samples.append(time.perf_counter() - start)
-    finally:
-        ping.close()
-        pong.close()
-    return samples, lost
+        def collect() -> None:
+            for message in self.pong:
+                self.inbox.put(message.data)
 
+        for target in (echo, collect):
+            threading.Thread(target=target, daemon=True).start()
+        while not near.pubsub_peers("bench.ping") or not far.pubsub_peers("bench.pong"):
+            time.sleep(0.05)
 
-def gridgraph_rtt(grid: gg.Grid, rounds: int) -> list[float]:
-    """Round trips of one batch: `y = x + 1` computed on the worker (one run, one reply)."""
-    x = torch.ones(4).send(grid.workers[0])
-    samples = []
-    for i in range(rounds + 5):
-        with gg.trace():
-            y = x + 1
+    def once(self) -> float | None:
+        """Seconds for one round trip; None if PubSub lost it (best effort)."""
+        token = os.urandom(16)
         start = time.perf_counter()
-        gg.compute(y)
-        if i >= 5:  # warm-up, and the plan is cached: later runs send only ids
-            samples.append(time.perf_counter() - start)
-    return samples
+        self.near.pubsub_pub("bench.ping", token)
+        try:
+            while self.inbox.get(timeout=2.0) != token:
+                pass
+        except queue.Empty:
+            self.lost += 1
+            return None
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.ping.close()
+        self.pong.close()
 
 
-def raw_blocks(put_on: Kubo, get_on: Kubo, nbytes: int, rounds: int) -> list[float]:
+def batch_once(x: torch.Tensor) -> float:
+    """Seconds for one batch: `y = x + 1` computed on the worker (one run, one reply)."""
+    with gg.trace():
+        y = x + 1
+    start = time.perf_counter()
+    gg.compute(y)
+    return time.perf_counter() - start
+
+
+def raw_blocks_once(put_on: Kubo, get_on: Kubo, nbytes: int, pool: ThreadPoolExecutor) -> float:
     """block put of `nbytes` fresh bytes on one node, then block get of them on the other."""
-    samples = []
-    with ThreadPoolExecutor(FETCH_PARALLELISM) as pool:
-        for _ in range(rounds):
-            data = os.urandom(nbytes)
-            start = time.perf_counter()
-            cids = [put_on.block_put(data[i : i + BLOCK_SIZE])
-                    for i in range(0, nbytes, BLOCK_SIZE)]  # fmt: skip
-            got = b"".join(pool.map(get_on.block_get, cids))
-            samples.append(time.perf_counter() - start)
-            assert got == data
-    return samples
+    data = os.urandom(nbytes)
+    start = time.perf_counter()
+    cids = [put_on.block_put(data[i : i + BLOCK_SIZE]) for i in range(0, nbytes, BLOCK_SIZE)]
+    got = b"".join(pool.map(get_on.block_get, cids))
+    elapsed = time.perf_counter() - start
+    assert got == data
+    return elapsed
 
 
-def gridgraph_transfer(grid: gg.Grid, nbytes: int, rounds: int) -> tuple[list, list]:
+def send_get_once(grid: gg.Grid, nbytes: int) -> tuple[float, float]:
     """send (client -> worker) and get (worker -> client) of a fresh float32 tensor."""
-    sends, gets = [], []
-    for _ in range(rounds):
-        t = torch.randn(nbytes // 4)
-        start = time.perf_counter()
-        p = t.send(grid.workers[0])
-        sent = time.perf_counter()
-        back = p.get()
-        sends.append(sent - start)
-        gets.append(time.perf_counter() - sent)
-        assert torch.equal(back, t)
-    return sends, gets
+    t = torch.randn(nbytes // 4)
+    start = time.perf_counter()
+    p = t.send(grid.workers[0])
+    sent = time.perf_counter()
+    back = p.get()
+    done = time.perf_counter()
+    assert torch.equal(back, t)
+    return sent - start, done - sent
 
 
 def main() -> None:
@@ -138,12 +131,26 @@ def main() -> None:
                 f"(Kubo {Kubo(near.api).version()}); client on node 0, worker on node 1"
             )
             kn, kf = Kubo(near.api), Kubo(far.api)
-            raw_rtt, lost = raw_pubsub_rtt(kn, kf, args.rounds)
-            raw_up = raw_blocks(kn, kf, nbytes, args.transfers)
-            raw_down = raw_blocks(kf, kn, nbytes, args.transfers)
+            echo = Echo(kn, kf)
+            raw_rtt, gg_rtt = [], []
+            raw_up, raw_down, gg_up, gg_down = [], [], [], []
+            # Raw and gridgraph samples alternate, so that both see the same machine load.
             with gg.connect(ipfs=near.api, workers=["bench"]) as grid:
-                gg_rtt = gridgraph_rtt(grid, args.rounds)
-                gg_up, gg_down = gridgraph_transfer(grid, nbytes, args.transfers)
+                x = torch.ones(4).send(grid.workers[0])
+                for i in range(args.rounds + 5):
+                    raw, ours = echo.once(), batch_once(x)
+                    if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
+                        raw_rtt.append(raw)
+                        gg_rtt.append(ours)
+                with ThreadPoolExecutor(FETCH_PARALLELISM) as pool:
+                    for _ in range(args.transfers):
+                        raw_up.append(raw_blocks_once(kn, kf, nbytes, pool))
+                        raw_down.append(raw_blocks_once(kf, kn, nbytes, pool))
+                        up, down = send_get_once(grid, nbytes)
+                        gg_up.append(up)
+                        gg_down.append(down)
+            lost = echo.lost
+            echo.close()
         finally:
             stop_worker(worker)
             stop_nodes(root / "swarm")

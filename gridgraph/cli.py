@@ -1,6 +1,8 @@
 """The `gridgraph` command line.
 
     gridgraph worker --ipfs /ip4/127.0.0.1/tcp/5001 --name w1 [--lease 300] [--log-level INFO]
+                     [--allow-peers FILE]                # serve only the peers listed
+    gridgraph id --ipfs /ip4/127.0.0.1/tcp/5001        # the node's peer ID, for trust lists
     gridgraph ipfs up --nodes 3 --root /tmp/swarm      # private loopback Kubo swarm
     gridgraph ipfs down --root /tmp/swarm
     gridgraph demo                                     # 3 in-process workers train a model
@@ -24,7 +26,14 @@ def _worker(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("urllib3").setLevel(logging.WARNING)  # one line per RPC call otherwise
-    return run_worker(args.ipfs, args.name, lease=args.lease)
+    return run_worker(args.ipfs, args.name, lease=args.lease, allow_peers=args.allow_peers)
+
+
+def _id(args: argparse.Namespace) -> int:
+    from gridgraph.exec.ipfs.kubo import Kubo
+
+    print(Kubo(args.ipfs).id())
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -53,7 +62,17 @@ def parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
+    worker.add_argument(
+        "--allow-peers",
+        metavar="FILE",
+        help="serve only these peers (clients and the grid's other workers): a file of peer "
+        "IDs, one a line, or `name peer_id` lines (default: an open grid, anyone)",
+    )
     worker.set_defaults(func=_worker)
+
+    ident = commands.add_parser("id", help="print a Kubo node's peer ID (for trust lists)")
+    ident.add_argument("--ipfs", default="/ip4/127.0.0.1/tcp/5001", help="the node's RPC API")
+    ident.set_defaults(func=_id)
 
     ipfs = commands.add_parser("ipfs", help="start or stop a local Kubo swarm on loopback")
     swarm.add_cli(ipfs.add_subparsers(dest="action", required=True))

@@ -430,6 +430,9 @@ class Client:
         except wire.WireError:
             return
         if msg.get("kind") == "reply" and msg.get("re") in self._outstanding:
+            worker = self._outstanding[msg["re"]][0]
+            if sender != self.transport.recipient(worker_topic(worker)):
+                return  # only the worker the request went to may answer it
             with self._cv:
                 self._replies[msg["re"]] = msg
                 self._cv.notify_all()

@@ -60,20 +60,33 @@ class Transport(ABC):
     def close(self) -> None:
         """Stop delivering and release what the endpoint holds."""
 
+    def recipient(self, topic: str) -> str | None:
+        """The identity of the endpoint that receives what is published on `topic`, as it
+        appears as `sender` in its own messages; None if unknown. A client accepts a reply
+        only from the recipient of its request."""
+        return None
+
 
 class LocalBus:
     """An in-process publish/subscribe network: topics map to handlers, delivery is a call."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, list[Handler]] = {}
+        self._subscribers: dict[str, set[str]] = {}  # topic -> identities subscribed
         self._lock = threading.Lock()
 
     def endpoint(self, identity: str) -> LocalTransport:
         return LocalTransport(self, identity)
 
-    def _subscribe(self, topic: str, handler: Handler) -> None:
+    def _subscribe(self, topic: str, handler: Handler, identity: str) -> None:
         with self._lock:
             self._handlers.setdefault(topic, []).append(handler)
+            self._subscribers.setdefault(topic, set()).add(identity)
+
+    def _recipient(self, topic: str) -> str | None:
+        with self._lock:
+            subscribers = self._subscribers.get(topic, set())
+            return next(iter(subscribers)) if len(subscribers) == 1 else None
 
     def _unsubscribe_all(self, handlers: list[tuple[str, Handler]]) -> None:
         with self._lock:
@@ -107,7 +120,10 @@ class LocalTransport(Transport):
 
     def subscribe(self, topic: str, handler: Handler) -> None:
         self._mine.append((topic, handler))
-        self._bus._subscribe(topic, handler)
+        self._bus._subscribe(topic, handler, self.identity)
+
+    def recipient(self, topic: str) -> str | None:
+        return self._bus._recipient(topic)
 
     def close(self) -> None:
         self._closed = True

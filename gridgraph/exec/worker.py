@@ -84,7 +84,7 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.ops_run = 0
-        self._inbox: dict[tuple[str, int, int], Any] = {}
+        self._inbox: dict[tuple[str, int, int, str], Any] = {}  # (client, run, value, src)
         self._inbox_cv = threading.Condition()
         self._aborted: set[tuple[str, Any]] = set()  # (client, run) the client gave up on
         self._sent: OrderedDict[tuple, bytes] = OrderedDict()  # ipfs: (client, run, value, dst)
@@ -125,6 +125,8 @@ class Worker:
             with self._inbox_cv:
                 self._aborted.add((_client_key(sender, msg), msg.get("run")))
                 self._inbox_cv.notify_all()
+        elif msg.get("reply_to") != f"gridgraph.client.{sender}.{msg.get('session')}":
+            log.warning("%s: dropped a request whose reply_to is not its sender's", self.name)
         else:
             client, now = _client_key(sender, msg), time.monotonic()
             # Seen now, not when served: a request queued behind a long run keeps the lease.
@@ -133,8 +135,8 @@ class Worker:
 
     def _accept_transfer(self, sender: str, msg: dict) -> None:
         try:
-            key = (str(msg["client"]), int(msg["run"]), int(msg["value"]))
             src = str(msg["src"])
+            key = (str(msg["client"]), int(msg["run"]), int(msg["value"]), src)
         except (KeyError, TypeError, ValueError):
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
             return
@@ -422,7 +424,7 @@ class _Run:
 
     def recv(self, slot: int, src: str) -> None:
         vid = self.slots[slot]
-        key = (self.client, self.run, vid)
+        key = (self.client, self.run, vid, src)  # only `src` may fill this recv
         deadline = time.monotonic() + self.w.recv_timeout
         wait = RESEND_AFTER
         ask = time.monotonic() + wait

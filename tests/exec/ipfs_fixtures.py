@@ -5,6 +5,10 @@ Fixtures (tests/conftest.py imports them, so every test module can use them):
   stopped by their recorded pids at the end;
 - `ipfs_workers` (session): one `python -m gridgraph worker` process per node, named w0, w1,
   w2 (w<i> on node i), logging to `<tmp>/workers/w<i>.log`; stopped by pid at the end;
+- `outsider_node` (module): a fourth node connected to the three, with no worker (for spies
+  and attackers; import it from here);
+- `Tap` (wraps a transport to drop or repeat messages) and `Raw` (a peer sending hand-made
+  requests) for tests of lost and hostile messages;
 - `ipfs_grid` (function): `gg.connect(ipfs=<node 0's API>, min_workers=3)`, closed after the
   test. The client shares node 0 with w0; w1 and w2 are one pubsub hop away.
 Tests are skipped, saying why, only when the `ipfs` binary is missing.
@@ -14,14 +18,18 @@ from __future__ import annotations
 
 import queue
 import subprocess
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import gridgraph as gg
-from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs.discovery import Directory, ask_workers, discover
+from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.swarm import (
     NodeInfo,
     find_ipfs_binary,
@@ -30,6 +38,9 @@ from gridgraph.exec.ipfs.swarm import (
     stop_nodes,
     stop_worker,
 )
+from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.transport import Handler, Transport
+from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
 
 
 @pytest.fixture(scope="session")
@@ -129,3 +140,124 @@ def ipfs_grid(kubo_nodes: list[NodeInfo], ipfs_workers: list[WorkerProcess]) -> 
     names = [w.name for w in ipfs_workers]
     with gg.connect(ipfs=kubo_nodes[0].api, min_workers=3, workers=names, timeout=30) as grid:
         yield grid
+
+
+@pytest.fixture(scope="module")
+def outsider_node(
+    kubo_nodes: list[NodeInfo], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeInfo]:
+    """A fourth Kubo node, connected to the other three, that runs no worker: the peer an
+    attacker or a spy would use (its peer ID is in no trust list). Per module, so that the
+    other modules see the swarm of three."""
+    root = tmp_path_factory.mktemp("outsider")
+    [node] = start_nodes(1, root)
+    try:
+        kubo = Kubo(node.api)
+        for other in kubo_nodes:
+            kubo.swarm_connect(other.swarm)
+        yield node
+    finally:
+        stop_nodes(root)
+
+
+class Tap(Transport):
+    """Wraps an endpoint: `outgoing(topic, payload)` says how many times to really publish,
+    `incoming(topic, payload)` whether to deliver. Counts what it dropped and repeated."""
+
+    def __init__(
+        self,
+        inner: Transport,
+        outgoing: Callable[[str, bytes], int] = lambda t, p: 1,
+        incoming: Callable[[str, bytes], bool] = lambda t, p: True,
+    ) -> None:
+        super().__init__()
+        self.inner, self.outgoing, self.incoming = inner, outgoing, incoming
+        self.identity, self.sent = inner.identity, inner.sent
+        self.dropped = self.repeated = 0
+
+    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+        times = self.outgoing(topic, payload)
+        self.dropped += times == 0
+        self.repeated += max(times - 1, 0)
+        for _ in range(times):
+            self.inner.publish(topic, payload, counted)
+
+    def subscribe(self, topic: str, handler: Handler) -> None:
+        def filtered(sender: str, payload: bytes) -> None:
+            if self.incoming(topic, payload):
+                handler(sender, payload)
+            else:
+                self.dropped += 1
+
+        self.inner.subscribe(topic, filtered)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def recipient(self, topic: str) -> str | None:
+        return self.inner.recipient(topic)
+
+    @property
+    def directory(self) -> Directory | None:
+        return self.inner.directory
+
+    @directory.setter
+    def directory(self, directory: Directory) -> None:
+        self.inner.directory = directory
+
+
+class Raw:
+    """A bare peer that sends hand-made requests to workers and collects the replies: a
+    client of its own (sealed for the worker, as any peer of the grid can), whose messages
+    say what the test wants, any session included."""
+
+    def __init__(self, api: str) -> None:
+        self.transport = GridTransport(api, deliver_own=True, resolve_wait=10.0)
+        self.transport.directory = Directory()
+        self.transport.subscribe(DISCOVERY_TOPIC, self.transport.directory.on_message)
+        ask_workers(self.transport)
+        self.session = uuid.uuid4().hex[:12]
+        self.replies: queue.Queue[dict] = queue.Queue()
+        self._topics: set[str] = set()
+        self.topic = self.reply_topic(self.session)
+
+    def reply_topic(self, session: str) -> str:
+        """Our reply topic for `session` (the only one a worker answers us on)."""
+        topic = f"gridgraph.client.{self.transport.identity}.{session}"
+        if topic not in self._topics:
+            self._topics.add(topic)
+            self.transport.subscribe(topic, lambda s, p: self.replies.put(wire.decode(p)))
+        return topic
+
+    def envelope(self, msg: dict) -> dict:
+        """`msg` with a fresh id, and a session and reply topic unless it names them."""
+        session = msg.get("session", self.session)
+        head = {"id": uuid.uuid4().hex, "session": session, "reply_to": self.reply_topic(session)}
+        return {**head, **msg}
+
+    def send(self, worker: str, msg: dict) -> str:
+        msg = self.envelope(msg)
+        self.publish(worker, wire.encode(msg))
+        return msg["id"]
+
+    def publish(self, worker: str, payload: bytes) -> None:
+        self.transport.publish(worker_topic(worker), payload)
+
+    def request(self, worker: str, msg: dict, timeout: float = 15.0) -> dict:
+        """Send, resending the same request id until its reply comes."""
+        msg = self.envelope({"free": [], **msg})
+        rid, payload = msg["id"], wire.encode(msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.publish(worker, payload)
+            try:
+                while True:
+                    reply = self.replies.get(timeout=0.5)
+                    if reply.get("re") == rid:
+                        return reply
+            except queue.Empty:
+                continue
+        raise TimeoutError(f"no reply from {worker} to {msg.get('kind')}")
+
+    def close(self) -> None:
+        self.transport.close()

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import WorkerProcess, start_workers, stop_all
+from ipfs_fixtures import Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.cli import main
@@ -29,7 +27,6 @@ from gridgraph.exec.ipfs.client import grid_over
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
-from gridgraph.exec.transport import Handler, Transport
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
@@ -40,78 +37,6 @@ pytestmark = [
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-class Tap(Transport):
-    """Wraps an endpoint: `outgoing(topic, payload)` says how many times to really publish,
-    `incoming(topic, payload)` whether to deliver. Counts what it dropped and repeated."""
-
-    def __init__(
-        self,
-        inner: Transport,
-        outgoing: Callable[[str, bytes], int] = lambda t, p: 1,
-        incoming: Callable[[str, bytes], bool] = lambda t, p: True,
-    ) -> None:
-        super().__init__()
-        self.inner, self.outgoing, self.incoming = inner, outgoing, incoming
-        self.identity, self.sent = inner.identity, inner.sent
-        self.dropped = self.repeated = 0
-
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
-        times = self.outgoing(topic, payload)
-        self.dropped += times == 0
-        self.repeated += max(times - 1, 0)
-        for _ in range(times):
-            self.inner.publish(topic, payload, counted)
-
-    def subscribe(self, topic: str, handler: Handler) -> None:
-        def filtered(sender: str, payload: bytes) -> None:
-            if self.incoming(topic, payload):
-                handler(sender, payload)
-            else:
-                self.dropped += 1
-
-        self.inner.subscribe(topic, filtered)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class Raw:
-    """A bare peer that sends hand-made requests to workers and collects the replies."""
-
-    def __init__(self, api: str) -> None:
-        self.transport = GridTransport(api, deliver_own=True)
-        self.topic = f"test.raw.{uuid.uuid4().hex}"
-        self.replies: queue.Queue[dict] = queue.Queue()
-        self.transport.subscribe(self.topic, lambda s, p: self.replies.put(wire.decode(p)))
-
-    def send(self, worker: str, msg: dict) -> str:
-        rid = uuid.uuid4().hex
-        self.publish(worker, wire.encode({"id": rid, "reply_to": self.topic, **msg}))
-        return rid
-
-    def publish(self, worker: str, payload: bytes) -> None:
-        self.transport.publish(worker_topic(worker), payload)
-
-    def request(self, worker: str, msg: dict, timeout: float = 15.0) -> dict:
-        """Send, resending the same request id until its reply comes."""
-        rid = uuid.uuid4().hex
-        payload = wire.encode({"id": rid, "reply_to": self.topic, "free": [], **msg})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.publish(worker, payload)
-            try:
-                while True:
-                    reply = self.replies.get(timeout=0.5)
-                    if reply.get("re") == rid:
-                        return reply
-            except queue.Empty:
-                continue
-        raise TimeoutError(f"no reply from {worker} to {msg.get('kind')}")
-
-    def close(self) -> None:
-        self.transport.close()
 
 
 @pytest.fixture
@@ -299,7 +224,7 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
     x = a.send(ipfs_grid.workers[1])
     session, vid = ipfs_grid.client.session, x._vid
     kubo = raw_peer.transport.kubo
-    topic = worker_topic("w1")
+    topic = raw_peer.transport.wire_topic(worker_topic("w1"))  # as the worker subscribes it
     # Dropped before any reply is possible: logged by the worker.
     kubo.pubsub_pub(topic, b"\x00not an envelope")
     raw_peer.publish("w1", os.urandom(1000))  # an envelope of garbage
@@ -438,12 +363,12 @@ def test_a_silent_clients_tensors_expire_with_the_lease(
 ):
     [wl] = start_workers([(kubo_nodes[1], "wl")], tmp_path, lease=2)
     try:
-        put = {"kind": "put", "values": [[1, torch.ones(8)]], "session": "silent"}
-        assert raw_peer.request("wl", put)["ok"]
         with gg.connect(ipfs=kubo_nodes[0].api, workers=["wl"], timeout=30) as grid:
             a = torch.randn(8)
             x = a.send(grid.workers[0])  # this client pings every 2/3 s: it keeps its tensor
-            assert objects(grid) == {"wl": 2}
+            put = {"kind": "put", "values": [[1, torch.ones(8)]], "session": "silent"}
+            assert raw_peer.request("wl", put)["ok"]  # after connecting: a slow connect
+            assert objects(grid) == {"wl": 2}  # does not outlast the silent client's lease
             deadline = time.monotonic() + 10
             while objects(grid) != {"wl": 1} and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -496,3 +421,8 @@ def test_cli_starts_and_stops_a_swarm(kubo_nodes, tmp_path, capsys):
 def test_cli_worker_without_a_node_says_so(capsys):
     assert main(["worker", "--ipfs", "/ip4/127.0.0.1/tcp/9", "--name", "w"]) == 1
     assert "cannot reach the Kubo node at /ip4/127.0.0.1/tcp/9" in capsys.readouterr().err
+
+
+def test_cli_id_prints_the_nodes_peer_id(kubo_nodes, capsys):
+    assert main(["id", "--ipfs", kubo_nodes[1].api]) == 0
+    assert capsys.readouterr().out.strip() == kubo_nodes[1].peer_id

@@ -1,16 +1,30 @@
-"""IpfsTransport over real Kubo daemons: identity, inline and block payloads, dedup, garbage."""
+"""IpfsTransport over real Kubo daemons: identity, inline and block payloads, dedup, garbage,
+bogus blocks; GridTransport removing the blocks it sent."""
 
 from __future__ import annotations
 
 import os
+import queue
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from ipfs_fixtures import Inbox
 
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs.discovery import Directory
+from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.swarm import NodeInfo
-from gridgraph.exec.ipfs.transport import INLINE_MAX, IpfsTransport
+from gridgraph.exec.ipfs.transport import (
+    ACK_PREFIX,
+    INLINE_MAX,
+    PENDING_PER_PEER,
+    GridTransport,
+    IpfsTransport,
+    pack_blocks,
+)
+from gridgraph.exec.worker import worker_topic
 
 pytestmark = [
     pytest.mark.ipfs,
@@ -116,3 +130,59 @@ def test_publish_after_close_raises(transports, topic):
     transports[0].close()
     with pytest.raises(RuntimeError, match="closed"):
         transports[0].publish(topic, b"late")
+
+
+def test_blocks_nobody_has_do_not_stall_the_topic(kubo_nodes, topic, caplog):
+    """Envelopes naming CIDs no peer holds are fetched off the reader thread: messages after
+    them arrive at once, and one peer gets only PENDING_PER_PEER fetches in flight."""
+    sender = IpfsTransport(kubo_nodes[0].api)
+    receiver = IpfsTransport(kubo_nodes[1].api, fetch_timeout=60)
+    try:
+        inbox = Inbox()
+        receiver.subscribe(topic, inbox)
+        sender.wait_for_peers(topic, 1)
+        gone = sender.kubo.block_put(os.urandom(64))
+        sender.kubo.block_rm([gone])
+        for _ in range(PENDING_PER_PEER + 4):  # a few more: PubSub may lose one
+            sender.kubo.pubsub_pub(topic, pack_blocks([(gone, 64)], 64))
+        deadline = time.monotonic() + 30  # half the fetch timeout each bogus block gets
+        while True:
+            sender.publish(topic, b"after the bogus ones")  # again, if PubSub lost it
+            try:
+                assert inbox.get(timeout=2) == (sender.identity, b"after the bogus ones")
+                break
+            except queue.Empty:
+                assert time.monotonic() < deadline, "the topic stalled behind bogus blocks"
+        assert "being fetched already" in caplog.text
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_sealed_payload_leaves_no_block_in_either_repo(kubo_nodes):
+    """GridTransport: the receiver removes its fetched copies and acknowledges; the sender
+    then removes its own."""
+    sender, receiver = (GridTransport(node.api) for node in kubo_nodes[:2])
+    try:
+        directory = Directory()
+        sender.directory = directory
+        directory.on_message(receiver.identity, wire.encode(
+            {"kind": "announce", "name": "wt", "instance": "i", "lease": 300}))  # fmt: skip
+        inbox = Inbox()
+        receiver.subscribe(worker_topic("wt"), inbox)
+        sender.wait_for_peers(worker_topic("wt"), 1)
+        receiver.wait_for_peers(ACK_PREFIX + sender.identity, 1)  # the ack reaches it
+        before = [set(Kubo(n.api).refs_local()) for n in kubo_nodes[:2]]
+        payload = os.urandom(3 * INLINE_MAX)
+        sender.publish(worker_topic("wt"), payload)
+        assert inbox.get() == (sender.identity, payload)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = [set(Kubo(n.api).refs_local()) - b for n, b in zip(kubo_nodes, before)]
+            if not any(left):
+                break
+            time.sleep(0.1)
+        assert left == [set(), set()]
+    finally:
+        sender.close()
+        receiver.close()

@@ -19,11 +19,20 @@ import logging
 import math
 import threading
 import uuid
+from pathlib import Path
 
 from gridgraph.exec import wire
 from gridgraph.exec.client import Client
 from gridgraph.exec.grid import Grid
-from gridgraph.exec.ipfs.discovery import DEAD_AFTER, HEARTBEAT, Directory, ask_workers
+from gridgraph.exec.ipfs.discovery import (
+    DEAD_AFTER,
+    HEARTBEAT,
+    Directory,
+    Trust,
+    ask_workers,
+    load_trust,
+)
+from gridgraph.exec.ipfs.progress import wanted
 from gridgraph.exec.ipfs.transport import GridTransport, open_transport
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
@@ -44,6 +53,8 @@ def connect(
     retry_after: float = 0.5,
     dead_after: float = DEAD_AFTER,
     memory_cap: int | dict[str, int] | None = None,
+    trust: str | Path | dict[str, str] | list[str] | None = None,
+    progress: bool | None = None,
 ) -> Grid:
     """A Grid of the live workers reachable through the Kubo node whose API is `ipfs`.
 
@@ -55,14 +66,25 @@ def connect(
     PubSub loses about one message in a few hundred, and a worker answers a repeated request
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
     `memory_cap`: bytes per worker (or per worker name) that placement keeps new tensors under.
+    `trust`: the workers this client uses, {name: peer ID}, a list of peer IDs, or a file of
+    either (discovery.load_trust; `gridgraph id --ipfs ADDR` prints a node's peer ID); other
+    peers announcing workers are ignored. Default: any worker on the grid (an open grid).
+    Every message and block is end-to-end encrypted either way (gridgraph.exec.secure).
+    `progress`: a progress bar on stderr for payloads over 64 MiB (default: when stderr is a
+    terminal).
 
     Example:
         with gg.connect(ipfs="/ip4/127.0.0.1/tcp/5001", min_workers=3) as grid:
             w0, w1, w2 = grid.workers
             print((torch.ones(3).send(w0) + 1).get())
     """
+    trusted = load_trust(trust) if trust is not None else None
+    transport = open_transport(
+        GridTransport, ipfs, deliver_own=True, progress=wanted(progress)
+    )  # deliver_own: a worker may share this node
     return grid_over(
-        open_transport(GridTransport, ipfs, deliver_own=True),  # a worker may share this node
+        transport,
+        trust=trusted,
         min_workers=min_workers,
         timeout=timeout,
         workers=workers,
@@ -85,6 +107,7 @@ def grid_over(
     dead_after: float = DEAD_AFTER,
     memory_cap: int | dict[str, int] | None = None,
     where: str = "the grid",
+    trust: Trust | None = None,
 ) -> Grid:
     """`connect` on a transport you built (tests wrap it to drop or repeat messages).
 
@@ -93,7 +116,8 @@ def grid_over(
     try:
         if type(min_workers) is not int or min_workers < 1:
             raise ValueError(f"min_workers must be a positive int, got {min_workers!r}")
-        directory = Directory(dead_after)
+        directory = Directory(dead_after, trust=trust)
+        transport.directory = directory  # whom to seal a worker's messages for
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
         ask_workers(transport)
         names = directory.wait(min_workers, timeout, workers, settle=HEARTBEAT, where=where)

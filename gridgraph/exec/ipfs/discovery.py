@@ -16,10 +16,18 @@ last heard. Policy:
 
 Workers use their Directory to check that a transfer claiming to come from worker `w` was
 published by `w`'s peer.
+
+Identities: on a GridTransport a sender is "<peer ID>~<public key>" (gridgraph.exec.secure):
+the directory keeps it whole, so messages for worker `w` are sealed for the key `w`
+announced, and compares names' owners by peer ID (a worker restarted on its node keeps its
+name). Trust: a Directory given `trust` (`load_trust`: names -> peer IDs, or just peer IDs)
+accepts only announcements from those peers (for those names), so no other peer can join
+the grid as a worker this client sends data to.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -27,11 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import KuboError
-from gridgraph.exec.ipfs.transport import IpfsTransport
+from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.secure import peer_of
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.worker import DISCOVERY_TOPIC
 
@@ -47,6 +57,53 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(f"bad worker name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
     return name
+
+
+Trust = dict[str, str] | set[str]  # worker name -> peer ID, or the trusted peer IDs
+
+
+def load_trust(trust: str | Path | dict | list | set | tuple) -> Trust:
+    """The trusted workers, from a mapping (name -> peer ID), peer IDs, or a file.
+
+    A file is JSON (a {name: peer ID} object or a [peer ID, ...] list) or text with one
+    `peer_id` or `name peer_id` a line (`#` starts a comment); `gridgraph id` prints a node's
+    peer ID.
+    """
+    if isinstance(trust, (str, Path)):
+        text = Path(trust).read_text()
+        try:
+            trust = json.loads(text)
+        except ValueError:
+            pairs = [line.split("#")[0].split() for line in text.splitlines()]
+            pairs = [p for p in pairs if p]
+            if any(len(p) > 2 for p in pairs):
+                raise ValueError(f"{trust}: each line is `peer_id` or `name peer_id`") from None
+            if all(len(p) == 2 for p in pairs):
+                trust = {name: peer for name, peer in pairs}
+            else:
+                trust = [p[-1] for p in pairs]
+    if isinstance(trust, dict):
+        for name, peer in trust.items():
+            check_name(name)
+            if not isinstance(peer, str) or not peer:
+                raise ValueError(f"trusted worker {name!r} needs a peer ID, got {peer!r}")
+        return dict(trust)
+    if isinstance(trust, (list, set, tuple)) and all(isinstance(p, str) and p for p in trust):
+        return set(trust)
+    raise ValueError(f"trust must map worker names to peer IDs or list peer IDs, got {trust!r}")
+
+
+def trusted_peers(trust: Trust) -> set[str]:
+    """The peer IDs a trust list names."""
+    return set(trust.values()) if isinstance(trust, dict) else set(trust)
+
+
+def trusts(trust: Trust | None, name: str, identity: str) -> bool:
+    """Whether `trust` lets the endpoint `identity` serve as worker `name`."""
+    if trust is None:
+        return True
+    peer = peer_of(identity)
+    return trust.get(name) == peer if isinstance(trust, dict) else peer in trust
 
 
 @dataclass
@@ -71,9 +128,13 @@ class Directory:
     """
 
     def __init__(
-        self, dead_after: float = DEAD_AFTER, on_discover: Callable[[], None] = lambda: None
+        self,
+        dead_after: float = DEAD_AFTER,
+        on_discover: Callable[[], None] = lambda: None,
+        trust: Trust | None = None,
     ) -> None:
         self.dead_after = dead_after
+        self.trust = trust  # None: an open grid, any peer may announce a worker
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
         self._pinned: dict[str, str] = {}  # name -> instance this client connected to
@@ -96,22 +157,29 @@ class Directory:
             return
         now = time.monotonic()
         with self._cv:
+            if not trusts(self.trust, name, sender):
+                if (name, sender) not in self._warned:
+                    self._warned.add((name, sender))
+                    log.warning("peer %s announces worker %r but is not trusted; ignored",
+                                peer_of(sender), name)  # fmt: skip
+                return
             known = self._seen.get(name)
-            if known is not None and known.identity != sender and self._fresh(known, now):
+            owner = known is not None and peer_of(known.identity) == peer_of(sender)
+            if known is not None and not owner and self._fresh(known, now):
                 if (name, sender) not in self._warned:
                     self._warned.add((name, sender))
                     log.warning(
                         "peer %s claims worker name %r, which belongs to live peer %s; ignored",
-                        sender,
+                        peer_of(sender),
                         name,
-                        known.identity,
+                        peer_of(known.identity),
                     )
                 return
             if msg["kind"] == "announce":
                 lease = msg.get("lease")
                 lease = float(lease) if isinstance(lease, int | float) else DEFAULT_LEASE
                 self._seen[name] = Seen(sender, instance, now, lease)
-            elif msg["kind"] == "leave" and known is not None and known.instance == instance:
+            elif msg["kind"] == "leave" and owner and known.instance == instance:
                 known.gone = True
             self._cv.notify_all()
 
@@ -212,7 +280,7 @@ def discover(
 
     Fails early, naming it, if one of `procs` (workers we started) exits meanwhile.
     """
-    transport = IpfsTransport(ipfs, deliver_own=True)
+    transport = GridTransport(ipfs, deliver_own=True)
     try:
         directory = Directory()
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)

@@ -210,5 +210,20 @@ class Kubo:
         return result[0]["Key"]
 
     def block_get(self, cid: str, timeout: float | None = None) -> bytes:
-        """Fetch a block by CID, from this node or (via bitswap) from connected peers."""
-        return self._call("/block/get", [cid], decoder="none", timeout=timeout)
+        """Fetch a block by CID, from this node or (via bitswap) from connected peers.
+
+        With `timeout`, the node itself gives up after that long (not only this client), so a
+        block no peer has does not keep bitswap searching."""
+        if timeout is None:
+            return self._call("/block/get", [cid], decoder="none")
+        opts = {"timeout": f"{timeout:g}s"}
+        return self._call("/block/get", [cid], decoder="none", opts=opts, timeout=timeout + 5)
+
+    def block_rm(self, cids: Sequence[str]) -> None:
+        """Remove these blocks from this node's repo; blocks it does not hold are skipped."""
+        if cids:
+            self._call("/block/rm", list(cids), opts={"force": "true"})
+
+    def refs_local(self) -> list[str]:
+        """The CIDs of every block in this node's repo."""
+        return [ref["Ref"] for ref in self._call("/refs/local") if ref.get("Ref")]

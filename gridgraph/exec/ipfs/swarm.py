@@ -332,13 +332,21 @@ if __name__ == "__main__":
 
 
 def spawn_worker(
-    api: str, name: str, log_path: Path, *, lease: float | None = None, log_level: str = "INFO"
+    api: str,
+    name: str,
+    log_path: Path,
+    *,
+    lease: float | None = None,
+    log_level: str = "INFO",
+    allow_peers: Path | None = None,
 ) -> subprocess.Popen:
     """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`."""
     args = [sys.executable, "-m", "gridgraph", "worker", "--ipfs", api,
             "--name", check_name(name), "--log-level", log_level]  # fmt: skip
     if lease is not None:
         args += ["--lease", str(lease)]
+    if allow_peers is not None:
+        args += ["--allow-peers", str(allow_peers)]
     with open(log_path, "ab") as out:
         return subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -1,21 +1,41 @@
 """`Transport` over one Kubo node: PubSub for messages, raw blocks for large payloads.
 
-Wire format: every PubSub message is a msgpack map (the envelope) with a fresh random nonce,
-so that two publishes of the same payload never look alike, even to a router that derives
-message ids from content (Kubo 0.43.1's default id is sender + seqno; 16 bytes buy certainty):
-- inline, for payloads up to `INLINE_MAX` bytes: {"v": 1, "n": nonce, "d": payload}
-- by blocks, for larger ones: {"v": 1, "n": nonce, "b": [[cid, size], ...], "t": total}.
-  The payload is cut into `BLOCK_SIZE` pieces, each stored with `block put`; the receiver
-  fetches them with `block get` (bitswap pulls them from the publisher), checks every size and
-  the total, and hands the joined payload to the handler.
+Two layers, one class each:
+- `IpfsTransport` moves plaintext (tests of the transport itself, raw benches). Every PubSub
+  message is a msgpack map (the envelope) with a fresh random nonce, so that two publishes of
+  the same payload never look alike:
+  - inline, for payloads up to `INLINE_MAX` bytes: {"v": 1, "n": nonce, "d": payload}
+  - by blocks, for larger ones: {"v": 1, "n": nonce, "b": [[cid, size], ...], "t": total}.
+    The payload is cut into `BLOCK_SIZE` pieces, each stored with `block put`; the receiver
+    fetches them with `block get` (bitswap pulls them from the publisher), checks every size
+    and the total, and hands the joined payload to the handler.
+- `GridTransport` is what gridgraph runs on: every message sealed end to end for the one
+  endpoint that subscribes to its topic (gridgraph.exec.secure: X25519 keys bound to the
+  libp2p peer IDs Kubo signs, AES-GCM, replays dropped). What it adds:
+  - receivers: `gridgraph.worker.NAME` is sealed for the worker that owns NAME in `directory`
+    (its key came in its signed heartbeat); `gridgraph.client.IDENTITY.SESSION` and
+    `gridgraph.ack.IDENTITY` for the endpoint named in the topic; the discovery topic stays
+    readable by all (heartbeats), each message carrying the sender's public key;
+  - topics on the wire are hashes of these names (`secure.blind_topic`), so neither client
+    identities nor sessions appear in the clear; a sealed message shows its sender's public
+    key, a counter and ciphertext, nothing else;
+  - blocks hold ciphertext only, under a key made for that payload, which travels inside the
+    sealed message naming the blocks. The receiver removes its fetched copies (`block rm`) as
+    soon as it has them and acknowledges on the sender's ack topic; the sender then removes
+    its own. Unacknowledged blocks go when they fall out of the resend cache, and at `close()`;
+  - `allow`: peer IDs whose messages are served (the discovery topic excepted); others are
+    dropped, with a log line, before anything is opened.
 Both limits keep far under go-libp2p-pubsub's 1 MiB message cap (larger messages are dropped
 silently, with no error for the publisher) and gridgraph's 1 MiB block cap.
 
-Delivery: one reader thread per subscribed topic reads Kubo's `pubsub/sub` stream and calls
-the topic's handlers in arrival order, so a handler that blocks stalls its topic. Kubo hands a
-node its own publications too; they are skipped unless `deliver_own=True`. A malformed
-envelope, a block that cannot be fetched or a failing handler is logged and dropped; a broken
-stream is reopened until `close()`.
+Delivery: one reader thread per subscribed topic reads Kubo's `pubsub/sub` stream. It never
+waits on the network: an inline message goes straight to the topic's handlers (which only
+enqueue), a message naming blocks is fetched, checked and delivered by a pool of assemblers,
+at most `PENDING_PER_PEER` at a time per sending peer, each block given up after
+`fetch_timeout` s. So envelopes naming bogus CIDs cost their sender's share of the pool, not
+the topic. Kubo hands a node its own publications too; they are skipped unless
+`deliver_own=True`. A malformed or unopenable message, a block that cannot be fetched or a
+failing handler is logged and dropped; a broken stream is reopened until `close()`.
 
 Subscriptions take a moment to reach the other peers; `wait_for_peers` waits for that.
 
@@ -35,13 +55,21 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 
+from gridgraph.exec import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
+from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.transport import Handler, Transport
 from gridgraph.exec.worker import DISCOVERY_TOPIC
+
+if TYPE_CHECKING:
+    from gridgraph.exec.ipfs.discovery import Directory
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +77,18 @@ ENVELOPE_VERSION = 1
 INLINE_MAX = 256 * 1024
 BLOCK_SIZE = 512 * 1024
 FETCH_PARALLELISM = 8
+ASSEMBLERS = 4  # payloads fetched at once
+PENDING_PER_PEER = 4  # block payloads of one sending peer in flight; more are dropped
+PENDING_MAX = 64  # block payloads in flight in all
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
-STORED_KEPT = 16  # large payloads whose blocks a transport remembers, for resending
-assert BLOCK_SIZE <= MAX_BLOCK_SIZE
+STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
+ACK_COPIES = 2  # PubSub drops ~1% of messages: a lost ack would leave the sender's blocks
+DELIVERED_KEPT = 1024  # ids of large payloads received, to recognise resent copies
+WORKER_PREFIX = "gridgraph.worker."  # + worker name
+CLIENT_PREFIX = "gridgraph.client."  # + client identity + "." + session
+ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
+assert BLOCK_SIZE + secure.TAG_BYTES <= MAX_BLOCK_SIZE
 
 
 class MalformedEnvelope(ValueError):
@@ -76,15 +112,20 @@ def unpack(message: bytes) -> dict:
         raise MalformedEnvelope(f"not msgpack: {error}") from error
     if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
         raise MalformedEnvelope(f"not a version {ENVELOPE_VERSION} envelope")
+    return check_envelope(envelope)
+
+
+def check_envelope(envelope: dict) -> dict:
+    """Check an envelope's inline data or block list; raise MalformedEnvelope if it is bad."""
     if isinstance(envelope.get("d"), bytes):
         return envelope
     blocks, total = envelope.get("b"), envelope.get("t")
-    if not isinstance(blocks, list) or not isinstance(total, int):
+    if not isinstance(blocks, list) or not blocks or not isinstance(total, int):
         raise MalformedEnvelope("envelope has neither inline data nor a block list")
     for ref in blocks:
         ok = isinstance(ref, list) and len(ref) == 2 and isinstance(ref[0], str)
         if not ok or not isinstance(ref[1], int) or not 0 < ref[1] <= MAX_BLOCK_SIZE:
-            raise MalformedEnvelope(f"bad block reference {ref!r}")
+            raise MalformedEnvelope(f"bad block reference {ref!r:.80}")
     if sum(size for _, size in blocks) != total:
         raise MalformedEnvelope(f"block sizes do not add up to the declared total {total}")
     return envelope
@@ -98,38 +139,63 @@ class IpfsTransport(Transport):
         api: str,
         *,
         deliver_own: bool = False,
-        fetch_timeout: float = 60.0,
+        fetch_timeout: float = 30.0,
         kubo: Kubo | None = None,
     ) -> None:
         super().__init__()
         self.kubo = kubo or Kubo(api)
-        self.identity = self.kubo.id()
+        self.peer = self.kubo.id()
+        self.identity = self.peer
         self.deliver_own = deliver_own
         self.fetch_timeout = fetch_timeout
+        self.progress = False  # bars for large payloads (progress.py)
         self._lock = threading.Lock()
         self._handlers: dict[str, list[Handler]] = {}
         self._streams: dict[str, Subscription] = {}
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
+        self._pending: dict[str, int] = {}  # sending peer -> block payloads in flight
         self._fetcher = ThreadPoolExecutor(FETCH_PARALLELISM, thread_name_prefix="ipfs-fetch")
+        self._assembler = ThreadPoolExecutor(ASSEMBLERS, thread_name_prefix="ipfs-assemble")
+
+    # --- sending ---------------------------------------------------------------------------
 
     def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
         if self._closed.is_set():
             raise RuntimeError(f"transport {self.identity} is closed")
         payload = bytes(payload)
         if len(payload) <= INLINE_MAX:
-            message = pack_inline(payload)
-            blocked = 0
+            message, blocked = pack_inline(payload), 0
         else:
-            blocks = []
-            for start in range(0, len(payload), BLOCK_SIZE):
-                piece = payload[start : start + BLOCK_SIZE]
-                blocks.append((self.kubo.block_put(piece), len(piece)))
-            message = pack_blocks(blocks, len(payload))
-            blocked = len(payload)
-        self.kubo.pubsub_pub(topic, message)
+            pieces = [payload[i : i + BLOCK_SIZE] for i in range(0, len(payload), BLOCK_SIZE)]
+            blocks = self._put_blocks(pieces, f"send {topic}")
+            message, blocked = pack_blocks(blocks, len(payload)), len(payload)
+        self._publish(topic, message)
         if counted:
             self.sent.add(len(message) + blocked)
+
+    def _publish(self, topic: str, message: bytes) -> None:
+        self.kubo.pubsub_pub(self.wire_topic(topic), message)
+
+    def _put_blocks(self, pieces: list, label: str) -> list[tuple[str, int]]:
+        """Store pieces as blocks, several at once; [(cid, size)] in order."""
+        bar = Progress(label, sum(len(p) for p in pieces), self.progress)
+
+        def put(piece: bytes) -> tuple[str, int]:
+            cid = self.kubo.block_put(bytes(piece))
+            bar.add(len(piece))
+            return cid, len(piece)
+
+        try:
+            return list(self._fetcher.map(put, pieces))
+        finally:
+            bar.close()
+
+    def wire_topic(self, topic: str) -> str:
+        """The PubSub topic that carries `topic` (the same here)."""
+        return topic
+
+    # --- receiving -------------------------------------------------------------------------
 
     def subscribe(self, topic: str, handler: Handler) -> None:
         """Add a handler; the node is subscribed to `topic` when this returns."""
@@ -140,7 +206,7 @@ class IpfsTransport(Transport):
                 self._handlers[topic].append(handler)
                 return
             self._handlers[topic] = [handler]
-            self._streams[topic] = self.kubo.pubsub_sub(topic)
+            self._streams[topic] = self.kubo.pubsub_sub(self.wire_topic(topic))
         thread = threading.Thread(
             target=self._read, args=(topic,), name=f"ipfs-sub-{topic}", daemon=True
         )
@@ -151,7 +217,7 @@ class IpfsTransport(Transport):
         """Wait until at least `n` connected peers subscribe to `topic`; return their ids."""
         deadline = time.monotonic() + timeout
         while True:
-            peers = self.kubo.pubsub_peers(topic)
+            peers = self.kubo.pubsub_peers(self.wire_topic(topic))
             if len(peers) >= n:
                 return peers
             if time.monotonic() > deadline:
@@ -169,6 +235,7 @@ class IpfsTransport(Transport):
             stream.close()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        self._assembler.shutdown(wait=False, cancel_futures=True)
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, topic: str) -> None:
@@ -179,8 +246,8 @@ class IpfsTransport(Transport):
             try:
                 for message in stream:
                     backoff = 0.1
-                    if message.sender != self.identity or self.deliver_own:
-                        self._deliver(topic, message.sender, message.data)
+                    if message.sender != self.peer or self.deliver_own:
+                        self._receive(topic, message.sender, message.data)
             except Exception as error:
                 if self._closed.is_set():
                     return  # close() pulled the stream (or the fetcher) from under us
@@ -193,7 +260,7 @@ class IpfsTransport(Transport):
             time.sleep(backoff)
             backoff = min(2 * backoff, 5.0)
             try:
-                reopened = self.kubo.pubsub_sub(topic)
+                reopened = self.kubo.pubsub_sub(self.wire_topic(topic))
             except KuboError as error:
                 log.warning("cannot reopen pubsub stream for %r: %s", topic, error)
                 continue
@@ -202,12 +269,71 @@ class IpfsTransport(Transport):
             if self._closed.is_set():  # close() ran while we reopened
                 reopened.close()
 
-    def _deliver(self, topic: str, sender: str, message: bytes) -> None:
+    def _receive(self, topic: str, peer: str, message: bytes) -> None:
+        """On the reader thread: open the message; hand inline data over, fetch blocks later."""
         try:
-            payload = self._payload(message)
-        except (MalformedEnvelope, KuboError) as error:
-            log.warning("dropped message on %r from %s: %s", topic, sender, error)
+            opened = self._open(topic, peer, message)
+        except (MalformedEnvelope, secure.Rejected) as error:
+            log.warning("dropped message on %r from %s: %s", topic, peer, error)
             return
+        if opened is None:
+            return
+        sender, envelope = opened
+        if "d" in envelope:
+            self._hand(topic, sender, envelope["d"])
+            return
+        with self._lock:
+            pending = self._pending.get(peer, 0)
+            if pending >= PENDING_PER_PEER or sum(self._pending.values()) >= PENDING_MAX:
+                size = envelope["t"]
+                log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
+                            "are being fetched already", size, topic, peer, pending)  # fmt: skip
+                return
+            self._pending[peer] = pending + 1
+        if not self._wanted(sender, envelope):
+            self._done(peer)
+            return
+        try:
+            self._assembler.submit(self._assemble, topic, peer, sender, envelope)
+        except RuntimeError:  # closed meanwhile
+            self._done(peer)
+
+    def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
+        """On an assembler thread: fetch a payload's blocks, then hand it over."""
+        try:
+            bar = Progress(f"receive {topic}", envelope["t"], self.progress)
+            try:
+                pieces = list(self._fetcher.map(lambda ref: self._fetch(ref, bar), envelope["b"]))
+            finally:
+                bar.close()
+            payload = self._join(envelope, pieces)
+        except (MalformedEnvelope, secure.Rejected, KuboError) as error:
+            log.warning("dropped message on %r from %s: %s", topic, peer, error)
+            return
+        except Exception:
+            if not self._closed.is_set():  # else: the fetcher was shut down under us
+                log.exception("fetching a message on %r from %s failed", topic, peer)
+            return
+        finally:
+            self._done(peer)
+        self._hand(topic, sender, payload)
+        self._received(sender, envelope)
+
+    def _done(self, peer: str) -> None:
+        with self._lock:
+            self._pending[peer] -= 1
+            if not self._pending[peer]:
+                del self._pending[peer]
+
+    def _fetch(self, ref: list, bar: Progress) -> bytes:
+        cid, size = ref
+        piece = self.kubo.block_get(cid, timeout=self.fetch_timeout)
+        if len(piece) != size:
+            raise MalformedEnvelope(f"block {cid} has {len(piece)} bytes, envelope says {size}")
+        bar.add(size)
+        return piece
+
+    def _hand(self, topic: str, sender: str, payload: bytes) -> None:
         with self._lock:
             handlers = list(self._handlers.get(topic, ()))
         for handler in handlers:
@@ -216,54 +342,102 @@ class IpfsTransport(Transport):
             except Exception:
                 log.exception("handler for %r failed on a message from %s", topic, sender)
 
-    def _payload(self, message: bytes) -> bytes:
-        envelope = unpack(message)
-        if "d" in envelope:
-            return envelope["d"]
-        # Fetching blocks one by one leaves bitswap idle between round trips: 10 MB takes
-        # ~0.9 s sequentially, ~0.2 s with 8 in flight (loopback).
-        payload = b"".join(self._fetcher.map(self._fetch, envelope["b"]))
-        if len(payload) != envelope["t"]:
-            declared = envelope["t"]
-            raise MalformedEnvelope(f"payload has {len(payload)} bytes, envelope says {declared}")
-        return payload
+    # --- what the secure layer overrides ---------------------------------------------------
 
-    def _fetch(self, ref: list) -> bytes:
-        cid, size = ref
-        piece = self.kubo.block_get(cid, timeout=self.fetch_timeout)
-        if len(piece) != size:
-            raise MalformedEnvelope(f"block {cid} has {len(piece)} bytes, envelope says {size}")
-        return piece
+    def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
+        """(sender, checked envelope) of a message, or None to skip it silently."""
+        return peer, unpack(message)
+
+    def _wanted(self, sender: str, envelope: dict) -> bool:
+        """Whether to fetch the blocks of this envelope (False: it is a copy of one we have)."""
+        return True
+
+    def _join(self, envelope: dict, pieces: list[bytes]) -> bytes | bytearray:
+        return b"".join(pieces)
+
+    def _received(self, sender: str, envelope: dict) -> None:
+        """A block payload was handed over."""
+
+
+@dataclass
+class _Stored:
+    """The blocks of one large payload sent to one receiver, until it acknowledges them."""
+
+    id: bytes
+    key: bytes
+    blocks: list[tuple[str, int]]
+    total: int
 
 
 class GridTransport(IpfsTransport):
-    """IpfsTransport tuned for gridgraph's retries. Upstream candidates, both:
+    """The transport gridgraph runs on: sealed end to end (see the module docstring).
 
-    - Publishes again when Kubo refuses a message with "validation ignored". Kubo validates a
-      node's own publications concurrently and ignores one whose seqno is below one it already
-      accepted, so two threads or processes publishing through one node at once (a worker's
-      heartbeat and its replies, a client sharing a worker's node) make one fail. That message
-      never went out: sending it again is safe. (Receiving nodes run the same check, also
-      concurrently, and drop a message now and then: the layers above resend.)
-    - Stores a large payload's blocks once: a retried request or transfer (the same bytes)
-      publishes only a new envelope naming the same blocks.
+    `identity` is "<peer ID>~<this endpoint's public key>" (secure.Channel). `directory`
+    (discovery.Directory) says which endpoint owns a worker name; set it before publishing
+    to a worker topic. Also works around Kubo's concurrent validation: a publish refused with
+    "validation ignored" (two threads or processes publishing through one node at once) never
+    went out, and is sent again. A large payload sent again to the same receiver before it
+    acknowledged the first copy reuses the blocks.
     """
 
-    def __init__(self, api: str, **kwargs) -> None:
+    def __init__(
+        self,
+        api: str,
+        *,
+        allow: Iterable[str] | None = None,
+        progress: bool = False,
+        resolve_wait: float = 2.0,
+        **kwargs,
+    ) -> None:
         super().__init__(api, **kwargs)
-        self._stored: OrderedDict[bytes, list[tuple[str, int]]] = OrderedDict()  # by digest
+        self.channel = secure.Channel(self.peer)
+        self.identity = self.channel.identity
+        self.directory: Directory | None = None
+        self.allow = None if allow is None else frozenset(allow) | {self.peer}
+        self.progress = progress
+        self.resolve_wait = resolve_wait  # how long to wait to hear of a worker named in a topic
+        self._stored: OrderedDict[tuple[bytes, str], _Stored] = OrderedDict()
         self._stored_lock = threading.Lock()
+        self._fetching: set[tuple[str, bytes]] = set()  # (sender, payload id) being fetched
+        self._delivered: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # and done
+        self.subscribe(ACK_PREFIX + self.identity, self._on_ack)
+
+    def recipient(self, topic: str) -> str | None:
+        """The endpoint that receives what is published on `topic`, or None if none is known."""
+        if topic.startswith(WORKER_PREFIX):
+            if self.directory is None:
+                return None
+            return self.directory.identity(topic[len(WORKER_PREFIX) :], wait=self.resolve_wait)
+        if topic.startswith(CLIENT_PREFIX):
+            return topic[len(CLIENT_PREFIX) :].split(".")[0]
+        if topic.startswith(ACK_PREFIX):
+            return topic[len(ACK_PREFIX) :]
+        return None
+
+    def wire_topic(self, topic: str) -> str:
+        return topic if topic == DISCOVERY_TOPIC else secure.blind_topic(topic)
 
     def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
         if self._closed.is_set():
             raise RuntimeError(f"transport {self.identity} is closed")
-        if len(payload) <= INLINE_MAX:
-            message, blocked = pack_inline(bytes(payload)), 0
+        blocked = 0
+        if topic == DISCOVERY_TOPIC:
+            message = self.channel.announcement(bytes(payload))
         else:
-            message, blocked = pack_blocks(self._blocks(payload), len(payload)), len(payload)
+            receiver = self.recipient(topic)
+            if receiver is None:
+                raise KuboError(f"no known receiver for topic {topic!r}: nothing sent")
+            if len(payload) <= INLINE_MAX:
+                body = {"d": bytes(payload)}
+            else:
+                stored = self._store(payload, receiver, topic)
+                blocked = len(payload)
+                body = {"b": [list(b) for b in stored.blocks], "t": stored.total,
+                        "k": stored.key, "i": stored.id}  # fmt: skip
+            message = self.channel.seal(receiver, topic, msgpack.packb(body))
         for attempt in range(PUBLISH_TRIES):
             try:
-                self.kubo.pubsub_pub(topic, message)
+                self._publish(topic, message)
                 break
             except KuboError as e:
                 if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
@@ -272,20 +446,129 @@ class GridTransport(IpfsTransport):
         if counted:
             self.sent.add(len(message) + blocked)
 
-    def _blocks(self, payload: bytes) -> list[tuple[str, int]]:
+    def _store(self, payload: bytes, receiver: str, topic: str) -> _Stored:
+        """The encrypted blocks of `payload` for `receiver`: stored now, or still stored."""
         digest = hashlib.blake2b(payload, digest_size=16).digest()
         with self._stored_lock:
-            if digest in self._stored:
-                self._stored.move_to_end(digest)
-                return self._stored[digest]
-        view = memoryview(payload)
-        pieces = [view[i : i + BLOCK_SIZE] for i in range(0, len(view), BLOCK_SIZE)]
-        blocks = [(self.kubo.block_put(bytes(piece)), len(piece)) for piece in pieces]
+            stored = self._stored.get((digest, receiver))
+            if stored is not None:
+                self._stored.move_to_end((digest, receiver))
+                return stored
+        key = secure.new_blob_key()
+        pieces = secure.seal_pieces(key, payload, BLOCK_SIZE)
+        blocks = self._put_blocks(pieces, f"send to {topic}")
+        stored = _Stored(os.urandom(16), key, blocks, sum(size for _, size in blocks))
+        evicted = []
         with self._stored_lock:
-            self._stored[digest] = blocks
+            self._stored[(digest, receiver)] = stored
             while len(self._stored) > STORED_KEPT:
-                self._stored.popitem(last=False)
-        return blocks
+                evicted.append(self._stored.popitem(last=False)[1])
+        self._remove([cid for old in evicted for cid, _ in old.blocks])
+        return stored
+
+    def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
+        if topic == DISCOVERY_TOPIC:
+            sender, body = secure.open_announcement(peer, message)
+            return sender, {"d": body}
+        if self.allow is not None and peer not in self.allow:
+            raise secure.Rejected(f"peer {peer} is not among the peers this endpoint serves")
+        sender, body = self.channel.open(peer, topic, message)
+        try:
+            envelope = msgpack.unpackb(body)
+        except Exception as error:
+            raise MalformedEnvelope(f"sealed body is not msgpack: {error}") from error
+        if not isinstance(envelope, dict):
+            raise MalformedEnvelope("sealed body is not a map")
+        check_envelope(envelope)
+        if "b" in envelope:
+            key, blob = envelope.get("k"), envelope.get("i")
+            if not isinstance(key, bytes) or len(key) != secure.KEY_BYTES:
+                raise MalformedEnvelope("block list without its key")
+            if not isinstance(blob, bytes):
+                raise MalformedEnvelope("block list without its id")
+        return sender, envelope
+
+    def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
+        payload = secure.open_pieces(envelope["k"], pieces)
+        # Our copies, now that we have the payload. Only once they open: a sender that names
+        # blocks it cannot open (someone else's, whose CIDs it saw) gets none removed.
+        self._remove([cid for cid, _ in envelope["b"]])
+        return payload
+
+    def _wanted(self, sender: str, envelope: dict) -> bool:
+        """A resent envelope naming a payload we are fetching is dropped: the first copy
+        will be delivered. One naming a payload we already delivered is dropped too, and
+        acknowledged again: its sender may have removed the blocks (then they cannot be
+        fetched), or not have heard our ack (then it stores the payload anew next time it
+        sends it, and that copy is delivered: a request resent because its reply was lost
+        still reaches the worker, which answers it from its reply cache)."""
+        key = (sender, envelope["i"])
+        with self._stored_lock:
+            if key in self._delivered:
+                again = True
+            elif key in self._fetching:
+                return False
+            else:
+                self._fetching.add(key)
+                return True
+        if again:
+            self._acknowledge(sender, envelope)
+        return False
+
+    def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
+        try:
+            super()._assemble(topic, peer, sender, envelope)
+        finally:
+            with self._stored_lock:
+                self._fetching.discard((sender, envelope["i"]))
+
+    def _received(self, sender: str, envelope: dict) -> None:
+        with self._stored_lock:
+            self._delivered[(sender, envelope["i"])] = None
+            while len(self._delivered) > DELIVERED_KEPT:
+                self._delivered.popitem(last=False)
+        self._acknowledge(sender, envelope)
+
+    def _acknowledge(self, sender: str, envelope: dict) -> None:
+        """Tell the sender we have its blocks, so that it removes them too."""
+        ack = msgpack.packb({"i": envelope["i"]})
+        try:
+            for _ in range(ACK_COPIES):
+                self.publish(ACK_PREFIX + sender, ack, counted=False)
+        except (KuboError, RuntimeError) as error:  # closed, or the node is down
+            log.debug("ack to %s not sent: %s", sender, error)
+
+    def _on_ack(self, sender: str, payload: bytes) -> None:
+        try:
+            blob = msgpack.unpackb(payload).get("i")
+        except Exception:
+            log.warning("dropped a malformed ack from %s", sender)
+            return
+        with self._stored_lock:
+            acked = [k for k, s in self._stored.items() if s.id == blob and k[1] == sender]
+            stored = [self._stored.pop(k) for k in acked]
+        if stored:
+            cids = [cid for s in stored for cid, _ in s.blocks]
+            try:
+                self._assembler.submit(self._remove, cids)
+            except RuntimeError:  # closing: close() removes them
+                pass
+
+    def _remove(self, cids: list[str]) -> None:
+        try:
+            self.kubo.block_rm(cids)
+        except KuboError as error:
+            log.warning("could not remove %d blocks: %s", len(cids), error)
+
+    def close(self) -> None:
+        """Stop, and remove from this node every block we stored that is still kept."""
+        if self._closed.is_set():
+            return
+        with self._stored_lock:
+            cids = [cid for s in self._stored.values() for cid, _ in s.blocks]
+            self._stored.clear()
+        super().close()
+        self._remove(cids)
 
 
 def open_transport(cls: type[IpfsTransport], ipfs: str, **kwargs) -> IpfsTransport:
@@ -301,15 +584,17 @@ class WorkerTransport(GridTransport):
     and logs each message it receives (DEBUG)."""
 
     def __init__(self, api: str, *, max_payload: int = MAX_PAYLOAD, **kwargs) -> None:
+        self.max_payload = max_payload  # before super(): it starts receiving
         super().__init__(api, **kwargs)
-        self.max_payload = max_payload
 
-    def _payload(self, message: bytes) -> bytes:
-        envelope = unpack(message)
-        size = envelope["t"] if "b" in envelope else len(envelope["d"])
-        if size > self.max_payload:
-            raise MalformedEnvelope(f"{size} bytes is over this worker's {self.max_payload}")
-        return super()._payload(message)
+    def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
+        opened = super()._open(topic, peer, message)
+        if opened is not None:
+            envelope = opened[1]
+            size = envelope["t"] if "b" in envelope else len(envelope["d"])
+            if size > self.max_payload:
+                raise MalformedEnvelope(f"{size} bytes is over this worker's {self.max_payload}")
+        return opened
 
     def subscribe(self, topic: str, handler: Handler) -> None:
         def logged(sender: str, payload: bytes) -> None:

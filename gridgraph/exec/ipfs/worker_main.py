@@ -15,7 +15,14 @@ import time
 import uuid
 
 from gridgraph.exec import wire
-from gridgraph.exec.ipfs.discovery import DEFAULT_LEASE, HEARTBEAT, Directory, check_name
+from gridgraph.exec.ipfs.discovery import (
+    DEFAULT_LEASE,
+    HEARTBEAT,
+    Directory,
+    check_name,
+    load_trust,
+    trusted_peers,
+)
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
 from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker
@@ -32,6 +39,7 @@ def run_worker(
     recv_timeout: float = 120.0,
     max_payload: int = MAX_PAYLOAD,
     stop: threading.Event | None = None,
+    allow_peers: str | None = None,
 ) -> int:
     """Serve as worker `name` through the Kubo node at `ipfs` until SIGTERM/SIGINT (or `stop`).
 
@@ -45,7 +53,10 @@ def run_worker(
     if not lease > 0:
         raise ValueError(f"lease must be positive, got {lease}")
     stop = stop or threading.Event()
-    transport = open_transport(WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload)
+    allow = trusted_peers(load_trust(allow_peers)) if allow_peers else None
+    transport = open_transport(
+        WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload, allow=allow
+    )
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -64,7 +75,8 @@ def _serve_as_worker(
     instance = uuid.uuid4().hex[:12]
     asked = threading.Event()  # a client asked for announcements (or we are stopping)
     threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
-    directory = Directory(on_discover=asked.set)
+    directory = Directory(on_discover=asked.set, trust=transport.allow)  # private: allowed only
+    transport.directory = directory  # whom to seal transfers to other workers for
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
@@ -81,7 +93,7 @@ def _serve_as_worker(
         name,
         transport,
         recv_timeout=recv_timeout,
-        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
+        peer_identity=directory.identity,  # no waiting: it runs on the reader thread
         # a worker never heard of may still be starting: only one gone silent is dead
         peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
     )

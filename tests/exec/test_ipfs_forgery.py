@@ -1,0 +1,289 @@
+"""Forgeries, impostors and bad crypto input from a second peer, each refused while the
+client's results stay exact (real Kubo daemons, real worker processes).
+
+The attacker runs on `outsider_node`, a node of the swarm with no worker, as a full endpoint
+of its own (it can seal messages for any worker, as any peer of an open grid can). Where an
+attack needs what only a broken confidentiality would give (a request id, a session), the
+test hands it over, so the authentication is tested on its own.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+from ipfs_fixtures import Raw, Tap, WorkerProcess
+
+import gridgraph as gg
+from gridgraph.errors import GridError
+from gridgraph.exec import secure, wire
+from gridgraph.exec.ipfs.client import grid_over
+from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec.ipfs.kubo import Kubo, KuboError
+from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
+from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
+
+pytestmark = [
+    pytest.mark.ipfs,
+    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
+]
+
+
+def worker(workers: list[WorkerProcess], name: str) -> WorkerProcess:
+    return next(w for w in workers if w.name == name)
+
+
+def wait_for_log(w: WorkerProcess, needle: str, count: int = 1, timeout: float = 15.0) -> str:
+    """The worker's log once `needle` appears in it `count` times (fails at `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = w.log.read_text(errors="replace")
+        if log.count(needle) >= count or time.monotonic() > deadline:
+            assert log.count(needle) >= count, f"{needle!r} not in {w.name}'s log:\n{log[-3000:]}"
+            return log
+        time.sleep(0.1)
+
+
+def announce(attacker: Raw, name: str, times: int = 3) -> None:
+    """Announce `name` as a worker the attacker runs, as a worker process would."""
+    msg = {"kind": "announce", "name": name, "instance": "evil", "lease": 300.0}
+    for seq in range(times):
+        attacker.transport.publish(DISCOVERY_TOPIC, wire.encode({**msg, "seq": seq}), False)
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def attacker(outsider_node: NodeInfo, ipfs_workers) -> Raw:
+    raw = Raw(outsider_node.api)
+    yield raw
+    raw.close()
+
+
+# --- forgeries ------------------------------------------------------------------------------
+
+
+def test_a_forged_reply_is_refused(kubo_nodes, ipfs_workers, attacker):
+    armed, forged_in = threading.Event(), threading.Event()
+    fortytwo = torch.full((8,), 42.0)
+
+    def leak(topic: str, payload: bytes) -> int:
+        """The attacker learns every request id (worst case) and answers it first."""
+        msg = wire.decode(payload)
+        if armed.is_set() and msg["kind"] == "run":
+            forged = {"kind": "reply", "re": msg["id"], "worker": "w1", "ok": True,
+                      "returns": [[0, fortytwo]], "dynamic": []}  # fmt: skip
+            attacker.transport.publish(msg["reply_to"], wire.encode(forged))
+        return 1
+
+    held = []
+
+    def hold_genuine(topic: str, payload: bytes) -> bool:
+        """Let the forged reply in first: genuine copies are dropped until it came (the
+        client resends, the worker answers again)."""
+        msg = wire.decode(payload)
+        if msg.get("kind") == "reply" and armed.is_set():
+            returns = msg.get("returns") or [[0, None]]
+            if isinstance(returns[0][1], torch.Tensor) and torch.equal(returns[0][1], fortytwo):
+                forged_in.set()
+                return True
+            if not forged_in.is_set() and len(held) < 20:
+                held.append(msg)
+                return False
+        return True
+
+    tap = Tap(GridTransport(kubo_nodes[0].api, deliver_own=True), leak, hold_genuine)
+    with grid_over(tap, workers=["w0", "w1", "w2"], retry_after=0.3) as grid:
+        a = torch.randn(8)
+        x = a.send(grid.workers[1])
+        armed.set()
+        got = x.get()
+    assert forged_in.is_set()  # the forgery reached the client, which refused it
+    assert torch.equal(got, a)
+
+
+def test_a_forged_transfer_is_refused(ipfs_grid, ipfs_workers, attacker):
+    """An attacker announcing a worker of its own sends transfers, for the victim's runs, to
+    the worker that waits on a transfer from w1; only w1's is taken."""
+    announce(attacker, "w9")
+    client = ipfs_grid.client
+    assert client.transport.directory.identity("w9", wait=10) == attacker.transport.identity
+    _, w1, w2 = ipfs_grid.workers
+    a = torch.randn(100)
+    x = a.send(w1)
+    victim = f"{client.transport.identity}/{client.session}"
+    for run in range(1, 40):  # any run number the victim may use next
+        for src in ("w9", "w1"):  # its own name (authentic), and w1's (a lie)
+            forged = {"kind": "transfer", "client": victim, "run": run, "value": x._vid,
+                      "src": src, "tensor": torch.full((100,), 42.0)}  # fmt: skip
+            attacker.publish("w2", wire.encode(forged))
+    assert attacker.request("w2", {"kind": "ping"})["ok"]  # after the forgeries, on one topic
+    wait_for_log(worker(ipfs_workers, "w2"), "dropped a transfer claiming to come from w1")
+    with gg.trace(), gg.on(w2):  # x moves from w1 to w2
+        z = x * 2
+    assert torch.equal(z.get(), a * 2)
+
+
+def test_a_replayed_request_is_refused(ipfs_grid, ipfs_workers, kubo_nodes, outsider_node):
+    """Sealed requests captured on the wire and published again, from the client's own node
+    (same peer: the replay window) and from another (another peer: the key does not fit)."""
+    w1 = ipfs_grid.workers[1]
+    wire_topic = secure.blind_topic(worker_topic("w1"))
+    capture = Kubo(outsider_node.api).pubsub_sub(wire_topic)
+    captured: queue.Queue[bytes] = queue.Queue()
+
+    def follow() -> None:
+        try:
+            for message in capture:
+                captured.put(message.data)
+        except KuboError:
+            pass
+
+    threading.Thread(target=follow, daemon=True).start()
+    client_node = Kubo(kubo_nodes[0].api)
+    while outsider_node.peer_id not in client_node.pubsub_peers(wire_topic):
+        time.sleep(0.05)  # until the client's node forwards the topic to the capture
+    a = torch.randn(16)
+    x = a.send(w1)
+    with gg.trace():
+        x.add_(1)  # run twice, it would add 2
+    gg.compute(x)
+    capture.close()
+    messages = []
+    while not captured.empty():
+        messages.append(captured.get())
+    assert messages, "the capture saw no request"
+    ops = ipfs_grid.stats()["workers"]["w1"]["ops_run"]
+    log = worker(ipfs_workers, "w1")
+    text = log.log.read_text(errors="replace")
+    replays, forgeries = text.count("a replay"), text.count("authentication failed")
+    for message in messages:
+        client_node.pubsub_pub(wire_topic, message)  # the client's peer
+        Kubo(outsider_node.api).pubsub_pub(wire_topic, message)  # another peer
+    wait_for_log(log, "a replay", replays + len(messages))
+    wait_for_log(log, "authentication failed", forgeries + len(messages))
+    assert ipfs_grid.stats()["workers"]["w1"]["ops_run"] == ops
+    assert torch.equal(x.get(), a + 1)
+
+
+def test_a_reply_goes_only_to_the_requesters_own_topic(ipfs_grid, ipfs_workers, attacker):
+    victim_topic = ipfs_grid.client.topic
+    attacker.send("w1", {"kind": "ping", "reply_to": victim_topic, "free": []})
+    wait_for_log(worker(ipfs_workers, "w1"), "reply_to is not its sender's")
+    a = torch.randn(4)
+    assert torch.equal(a.send(ipfs_grid.workers[1]).get(), a)
+
+
+# --- impostors ------------------------------------------------------------------------------
+
+
+def test_a_worker_not_in_trust_is_ignored(kubo_nodes, ipfs_workers, attacker):
+    stop = threading.Event()
+
+    def keep_announcing() -> None:
+        while not stop.is_set():
+            announce(attacker, "w7", times=1)
+            announce(attacker, "w1", times=1)  # and a claim on a trusted worker's name
+
+    announcer = threading.Thread(target=keep_announcing, daemon=True)
+    announcer.start()
+    try:
+        # On an open grid the impostor is a worker like any other...
+        assert "w7" in discover(kubo_nodes[0].api, names=["w7"], timeout=10)
+        trust = {f"w{n.index}": n.peer_id for n in kubo_nodes}
+        # ...with `trust`, it is not one.
+        with gg.connect(ipfs=kubo_nodes[0].api, min_workers=3, trust=trust, timeout=30) as grid:
+            assert [w.name for w in grid.workers] == ["w0", "w1", "w2"]
+            a = torch.randn(5)
+            assert torch.equal((a.send(grid.workers[1]) + 1).get(), a + 1)
+        peers = [n.peer_id for n in kubo_nodes]
+        with pytest.raises(GridError, match="w7"):
+            gg.connect(ipfs=kubo_nodes[0].api, workers=["w7"], trust=peers, timeout=3)
+    finally:
+        stop.set()
+        announcer.join()
+
+
+def test_a_client_not_in_allow_peers_is_not_served(kubo_nodes, outsider_node, tmp_path):
+    allowed = tmp_path / "allowed.txt"
+    allowed.write_text(f"{kubo_nodes[0].peer_id}\n{kubo_nodes[1].peer_id}\n")
+    proc = spawn_worker(kubo_nodes[1].api, "private", tmp_path / "private.log",
+                        allow_peers=allowed)  # fmt: skip
+    private = WorkerProcess("private", kubo_nodes[1], proc, tmp_path / "private.log")
+    try:
+        discover(kubo_nodes[0].api, names=["private"], timeout=60, procs=[proc])
+        with pytest.raises(GridError, match="did not answer"):
+            gg.connect(ipfs=outsider_node.api, workers=["private"], timeout=4)
+        wait_for_log(private, "is not among the peers this endpoint serves")
+        with gg.connect(ipfs=kubo_nodes[0].api, workers=["private"], timeout=30) as grid:
+            a = torch.randn(6)
+            assert torch.equal((a.send(grid.workers[0]) * 3).get(), a * 3)
+    finally:
+        stop_worker(proc)
+
+
+# --- bad crypto input -----------------------------------------------------------------------
+
+
+def _tamper(sealed: bytes, how: str) -> bytes:
+    version, public, counter, ciphertext = msgpack.unpackb(sealed)
+    if how == "truncated ciphertext":
+        ciphertext = ciphertext[:8]
+    elif how == "tampered tag":
+        ciphertext = ciphertext[:-1] + bytes([ciphertext[-1] ^ 1])
+    return msgpack.packb([version, public, counter, ciphertext])
+
+
+@pytest.mark.parametrize(
+    "how, logged",
+    [
+        ("wrong key", "authentication failed"),
+        ("truncated ciphertext", "truncated ciphertext"),
+        ("tampered tag", "authentication failed"),
+        ("replayed nonce", "a replay"),
+        ("garbage", "not a sealed message"),
+    ],
+)
+def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, attacker, how,
+                                                     logged):  # fmt: skip
+    w1 = worker(ipfs_workers, "w1")
+    before = w1.log.read_text(errors="replace").count(logged)
+    topic = worker_topic("w1")
+    body = msgpack.packb({"d": wire.encode(attacker.envelope({"kind": "ping", "free": []}))})
+    channel = attacker.transport.channel
+    receiver = attacker.transport.recipient(topic)
+    if how == "wrong key":  # sealed for another key than w1's
+        receiver = secure.make_identity(secure.peer_of(receiver), secure.Channel("x").public)
+    sealed = channel.seal(receiver, topic, body)
+    if how in ("truncated ciphertext", "tampered tag"):
+        sealed = _tamper(sealed, how)
+    elif how == "garbage":
+        sealed = b"\x93\x02garbage"
+    kubo = attacker.transport.kubo
+    kubo.pubsub_pub(attacker.transport.wire_topic(topic), sealed)
+    if how == "replayed nonce":
+        assert attacker.replies.get(timeout=15)["ok"]  # the first copy is served
+        kubo.pubsub_pub(attacker.transport.wire_topic(topic), sealed)
+    wait_for_log(w1, logged, count=before + 1)
+    assert w1.proc.poll() is None
+    a = torch.randn(3)
+    assert torch.equal((a.send(ipfs_grid.workers[1]) - 2).get(), a - 2)
+
+
+def test_transfers_from_unknown_workers_do_not_stall_a_worker(ipfs_grid, ipfs_workers, attacker):
+    """Looking up who a transfer claims to come from never waits on the reader thread: a
+    burst naming workers nobody has heard of is dropped at once, and the worker serves on."""
+    a = torch.randn(4)
+    x = a.send(ipfs_grid.workers[1])
+    for i in range(20):
+        bogus = {"kind": "transfer", "client": "c/s", "run": 1, "value": 1, "src": f"ghost{i}",
+                 "tensor": torch.zeros(1)}  # fmt: skip
+        attacker.publish("w1", wire.encode(bogus))
+    start = time.monotonic()
+    assert torch.equal(x.get(), a)
+    assert time.monotonic() - start < 20  # 20 lookups waiting 2 s each would take 40 s
+    wait_for_log(worker(ipfs_workers, "w1"), "claiming to come from ghost19")
