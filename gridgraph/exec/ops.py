@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -29,6 +30,47 @@ ALLOWED_UNSAFE = frozenset({"_unsafe_view"})
 
 class OpRefused(ValueError):
     """An op name a worker will not run."""
+
+
+class ViewOutOfBounds(OpRefused):
+    """An op returned a tensor whose elements reach outside its storage."""
+
+
+def check_view(result: Any) -> None:
+    """Refuse any tensor in `result` (a tensor, or a tuple/list of them) that reaches outside
+    its storage: every element addressed by (sizes, strides, storage_offset) must lie inside
+    the storage's bytes, and no stride or offset may be negative.
+
+    The worker calls this after every op, before the result is stored or used: a view built
+    without a bounds check (`_reshape_alias` did this) would read or write memory that is
+    not the tensor's, such as another client's tensor.
+    """
+    if isinstance(result, torch.Tensor):
+        _check_bounds(result)
+    elif isinstance(result, (tuple, list)):
+        for r in result:
+            if isinstance(r, torch.Tensor):
+                _check_bounds(r)
+
+
+def _check_bounds(t: torch.Tensor) -> None:
+    if t.layout != torch.strided or t.device.type != "cpu":
+        raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
+    offset, sizes, strides = t.storage_offset(), t.shape, t.stride()
+    if offset < 0 or any(s < 0 for s in strides):
+        raise ViewOutOfBounds(
+            f"an op returned a view with negative strides {tuple(strides)} or offset {offset}"
+        )
+    if t.numel() == 0:
+        return
+    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if need > have:
+        raise ViewOutOfBounds(
+            f"an op returned a view of sizes {tuple(sizes)}, strides {tuple(strides)} and "
+            f"offset {offset} that needs {need} bytes of a storage of {have}"
+        )
 
 
 @cache
