@@ -17,8 +17,8 @@ extension type that decodes to a plain value from a fixed table:
 
 Nothing received is trusted. The receiver refuses (with `WireError`, before anything uses
 the message):
-- a message longer than `max_bytes` (default MAX_MESSAGE_BYTES), or whose header is longer
-  than MAX_HEADER_BYTES, or that holds more than MAX_TENSORS tensors. Decoding allocates
+- a message longer than `max_bytes` (the caller's limit: the worker passes its
+  `max_message_bytes`), or whose header is longer than MAX_HEADER_BYTES, or that holds more than MAX_TENSORS tensors. Decoding allocates
   Python objects for the header: an empty map is 1 byte on the wire and about 70 in memory,
   a tensor 14 and about 1,000, so these two caps are what bound a message's memory growth
   at decode (a 7 MB header of tensors over the same bytes grew a worker by 551 MB);
@@ -70,7 +70,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _ALIGN = 64
-MAX_MESSAGE_BYTES = 256 << 20  # callers may pass their own `max_bytes` (the worker: its limit)
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
 _MAX_ITEMSIZE = max(d.itemsize for d in DTYPES.values())
@@ -219,12 +218,12 @@ def encode(message: dict) -> bytearray:
     return bytearray().join([len(header).to_bytes(4, "little"), header, pad, *enc.chunks])
 
 
-def decode(payload: bytes | bytearray, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
     """A buffer back into a message; raises WireError for anything malformed or too large.
 
     Tensors are views of the buffer: pass a bytearray (as `encode` makes) to avoid a copy.
     """
-    if len(payload) > max_bytes:
+    if max_bytes is not None and len(payload) > max_bytes:
         raise WireError(f"message of {len(payload)} bytes is over the limit of {max_bytes}")
     if len(payload) < 4:
         raise WireError("message too short")
