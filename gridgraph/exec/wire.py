@@ -18,10 +18,11 @@ extension type that decodes to a plain value from a fixed table:
 Nothing received is trusted. The receiver refuses (with `WireError`, before anything uses
 the message):
 - a message longer than `max_bytes` (the caller's limit: the worker passes its
-  `max_message_bytes`), or whose header is longer than MAX_HEADER_BYTES, or that holds more than MAX_TENSORS tensors. Decoding allocates
-  Python objects for the header: an empty map is 1 byte on the wire and about 70 in memory,
-  a tensor 14 and about 1,000, so these two caps are what bound a message's memory growth
-  at decode (a 7 MB header of tensors over the same bytes grew a worker by 551 MB);
+  `max_message_bytes`), whose header is longer than MAX_HEADER_BYTES, or that holds more
+  than MAX_TENSORS tensors. Decoding allocates Python objects for the header: an empty map
+  is 1 byte on the wire and about 70 in memory, a tensor 14 and about 1,000, so these two
+  caps are what bound a message's memory growth at decode (a 7 MB header of tensors over
+  the same bytes grew a worker by 551 MB);
 - a tensor whose byte count does not match its shape and dtype, that lies outside the data
   region, or whose offset is not 64-byte aligned;
 - two tensors over the same bytes (an in-place write to one would change the other);
