@@ -101,7 +101,8 @@ class Client:
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
-        self._outstanding: dict[str, tuple[str, bytes, bool]] = {}  # request id -> resend
+        # request id -> (worker, payload to resend, the ids it frees)
+        self._outstanding: dict[str, tuple[str, bytes, list[int]]] = {}
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
@@ -377,7 +378,7 @@ class Client:
         }
         self.frees[worker] = []
         payload = wire.encode(msg)
-        self._outstanding[rid] = (worker, payload, counted)
+        self._outstanding[rid] = (worker, payload, msg["free"])
         self.transport.publish(worker_topic(worker), payload, counted)
         return rid
 
@@ -396,7 +397,11 @@ class Client:
                 while True:
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
                     if not waiting:
-                        return {w: self._replies.pop(rid) for w, rid in rids.items()}
+                        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
+                        for w, reply in replies.items():  # a refused request freed nothing
+                            if not reply.get("ok") and reply.get("error", {}).get("refused"):
+                                self.frees[w].extend(self._outstanding[rids[w]][2])
+                        return replies
                     now = time.monotonic()
                     for w in waiting:
                         if not self.alive(w):

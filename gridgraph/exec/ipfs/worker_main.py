@@ -18,6 +18,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.ipfs.discovery import DEFAULT_LEASE, HEARTBEAT, Directory, check_name
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
+from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker
 
 log = logging.getLogger("gridgraph.ipfs")
@@ -30,13 +31,14 @@ def run_worker(
     lease: float = DEFAULT_LEASE,
     heartbeat: float = HEARTBEAT,
     recv_timeout: float = 120.0,
-    max_payload: int = MAX_PAYLOAD,
+    limits: Limits | None = None,
     stop: threading.Event | None = None,
 ) -> int:
     """Serve as worker `name` through the Kubo node at `ipfs` until SIGTERM/SIGINT (or `stop`).
 
     Announces itself every `heartbeat` s, frees the tensors of clients silent for `lease` s,
-    and says goodbye on the discovery topic when it stops. Returns the exit status.
+    grants each client the budgets of `limits` (default `Limits()`, see limits.py), and
+    says goodbye on the discovery topic when it stops. Returns the exit status.
 
     Example:
         run_worker("/ip4/127.0.0.1/tcp/5001", "w1")   # what `gridgraph worker` runs
@@ -44,14 +46,16 @@ def run_worker(
     check_name(name)
     if not lease > 0:
         raise ValueError(f"lease must be positive, got {lease}")
+    limits = limits or Limits()
     stop = stop or threading.Event()
+    max_payload = min(MAX_PAYLOAD, limits.max_message_bytes)
     transport = open_transport(WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload)
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, stop)
+        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, limits, stop)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -59,7 +63,7 @@ def run_worker(
 
 def _serve_as_worker(
     transport: WorkerTransport, ipfs: str, name: str, lease: float, heartbeat: float,
-    recv_timeout: float, stop: threading.Event,
+    recv_timeout: float, limits: Limits, stop: threading.Event,
 ) -> int:  # fmt: skip
     instance = uuid.uuid4().hex[:12]
     asked = threading.Event()  # a client asked for announcements (or we are stopping)
@@ -81,7 +85,10 @@ def _serve_as_worker(
         name,
         transport,
         recv_timeout=recv_timeout,
-        peer_identity=lambda n: directory.identity(n, wait=2 * heartbeat),
+        limits=limits,
+        # never waits: it runs on the transport's reader thread (a transfer from a worker not
+        # heard of yet is dropped, and the receiver asks for it again)
+        peer_identity=directory.identity,
         # a worker never heard of may still be starting: only one gone silent is dead
         peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
     )
@@ -114,8 +121,8 @@ def _serve_as_worker(
             report = _expire(worker, lease)
             if report is not None and report != last_report:
                 last_report = report
-                log.info("%s: %d clients, %d tensors (%d bytes); %d ops run since the last "
-                         "stats reset", name, *report)  # fmt: skip
+                log.info("%s: %d clients, %d tensors (%d bytes held); %d ops run since their "
+                         "last stats reset", name, *report)  # fmt: skip
         asked.wait(heartbeat)
         asked.clear()
         stop.wait(0.05)  # at most 20 announcements a second, however often we are asked
@@ -127,10 +134,15 @@ def _serve_as_worker(
 
 def _expire(worker: Worker, lease: float) -> tuple | None:
     """Free the tensors of clients silent past the lease; return what the worker holds."""
-    try:  # the execution thread may change the store meanwhile: a clash only delays this
+    try:  # session threads may change their state meanwhile: a clash only delays this
         worker.expire_clients(lease)
-        store = worker.store
-        return len(store.clients()), len(store), store.stored_bytes(), worker.ops_run
+        sessions = list(worker.sessions.values())
+        return (
+            len(sessions),
+            sum(len(s.store) for s in sessions),
+            sum(s.memory() for s in sessions),
+            sum(s.ops_run for s in sessions),
+        )
     except (RuntimeError, KeyError) as e:
         log.debug("%s: lease check deferred: %s", worker.name, e)
         return None
