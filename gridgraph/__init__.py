@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RecordError, RemoteError, WorkerLost
+from gridgraph.errors import (
+    GridError,
+    PlacementError,
+    RecordError,
+    RemoteError,
+    SessionLost,
+    WorkerLost,
+)
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
 from gridgraph.exec.limits import Limits
@@ -32,6 +39,7 @@ __all__ = [
     "RecordError",
     "RemoteError",
     "RemoteTensor",
+    "SessionLost",
     "WorkerLost",
     "WorkerRef",
     "compute",

@@ -34,7 +34,7 @@ def _worker(args: argparse.Namespace) -> int:
         requests_per_second=args.max_requests_per_second,
         request_burst=max(1, int(4 * args.max_requests_per_second)),
     )
-    return run_worker(args.ipfs, args.name, lease=args.lease, limits=limits)
+    return run_worker(args.ipfs, args.name, lease=args.lease, limits=limits, isolate=args.isolate)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -89,6 +89,12 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.requests_per_second,
         metavar="N",
         help="per peer, in bursts of up to 4 s worth (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each client session's programs in a process of its own (default: on)",
     )
     worker.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, PlacementError, RemoteError, SessionLost, WorkerLost
 from gridgraph.exec import wire
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
@@ -341,6 +341,8 @@ class Client:
         return replies
 
     def _remote_error(self, error: dict, slots: list[int]) -> RemoteError:
+        if error.get("code") == "session-lost":
+            return SessionLost(str(error.get("worker")), str(error.get("message")))
         where = "<unknown>"
         slot = error.get("slot")
         if isinstance(slot, int) and slot < len(slots):
@@ -364,6 +366,8 @@ class Client:
         reply = self._wait(worker, self._send(worker, msg, counted))
         if not reply.get("ok"):
             error = reply.get("error", {})
+            if error.get("code") == "session-lost":
+                raise SessionLost(worker, str(error.get("message")))
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
 

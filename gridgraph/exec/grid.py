@@ -182,6 +182,7 @@ def local_grid(
     *,
     memory_cap: int | dict[str, int] | None = None,
     limits: Limits | None = None,
+    isolate: bool = False,
 ) -> Grid:
     """A grid of `n` in-process workers named w0, w1, ... (the embedded default).
 
@@ -190,13 +191,16 @@ def local_grid(
     client, as `gridgraph worker` does (default: none, since the grid serves only you):
 
         gg.local_grid(2, limits=Limits(max_client_memory=1 << 30, max_request_seconds=10))
+
+    `isolate=True` runs each worker's programs in executor processes, as `gridgraph worker`
+    does (see exec/executor.py); by default they run in this process.
     """
     if type(n) is not int or n < 1:
         raise ValueError(f"a local grid needs at least one worker, got {n!r}")
     limits = limits or Limits.unlimited()
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
-    workers = [Worker(name, bus.endpoint(name), limits=limits) for name in names]
+    workers = [Worker(name, bus.endpoint(name), limits=limits, isolate=isolate) for name in names]
     client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
 
     def stop_workers() -> None:

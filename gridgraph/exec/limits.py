@@ -102,8 +102,8 @@ class TimeLimitExceeded(Exception):
 
     def __init__(self, seconds: float | None) -> None:
         super().__init__(
-            f"the request ran for over {seconds:g} s, the time limit of this worker "
-            "(max_request_seconds); what it stored was undone"
+            f"the request ran past the time limit of {seconds:g} s of this worker "
+            "(max_request_seconds) and was stopped; what it stored was undone"
         )
 
 

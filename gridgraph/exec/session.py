@@ -35,24 +35,39 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from gridgraph.exec import wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
+    LimitExceeded,
+    Limits,
     TimeLimitExceeded,
     meta_like,
     op_footprint,
 )
-from gridgraph.exec.ops import RandomState, check_view, resolve
+from gridgraph.exec.ops import OpRefused, RandomState, check_view, resolve
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs
 
-if TYPE_CHECKING:
-    from gridgraph.exec.worker import Worker
+
+class Host(Protocol):
+    """Where a session's programs run: the worker itself, or an executor process."""
+
+    name: str
+    limits: Limits
+    recv_timeout: float
+
+    def transfer(self, session: Session, dst: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst`."""
+
+    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+        """The transfer message `key` = (run, value id, sending worker), waiting until
+        `deadline`; raises UpstreamFailed, TimeoutError or TimeLimitExceeded."""
+
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -106,6 +121,8 @@ class Session:
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
+        self.executor: Any = None  # the process running its programs (executor.py), if any
+        self.elsewhere = 0  # in an executor: bytes the worker's process holds for it
         self._reply_bytes = 0
         self._inbox_bytes = 0
         self._sent_bytes = 0
@@ -122,6 +139,7 @@ class Session:
             + self._reply_bytes
             + self._program_bytes
             + RECORD_BYTES * len(self.records)
+            + self.elsewhere
         )
 
     # --- request records -------------------------------------------------------------------
@@ -166,23 +184,23 @@ class Session:
             _, dropped = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
-    def deliver(self, key: tuple[int, int, str], item: Any, nbytes: int) -> None:
-        """A transfer arrived (`item` is a tensor or an error dict); wake a waiting recv."""
+    def deliver(self, key: tuple[int, int, str], msg: dict, payload: bytes) -> None:
+        """A transfer message arrived (`payload` as received); wake a waiting recv."""
         with self.cv:
             if key in self.received or key in self.inbox or self.closed:
                 return  # ipfs: a resent copy of one already here or used
-            self.inbox[key] = (item, nbytes)
-            self._inbox_bytes += nbytes
+            self.inbox[key] = (msg, payload)
+            self._inbox_bytes += len(payload)
             self.cv.notify_all()
 
-    def take(self, key: tuple[int, int, str]) -> Any:
+    def take(self, key: tuple[int, int, str]) -> tuple[dict, bytes]:
         """Remove and return an inbox item (the caller holds `cv`)."""
-        item, nbytes = self.inbox.pop(key)
-        self._inbox_bytes -= nbytes
+        msg, payload = self.inbox.pop(key)
+        self._inbox_bytes -= len(payload)
         self.received[key] = None
         while len(self.received) > TRANSFERS_KEPT:
             self.received.popitem(last=False)
-        return item
+        return msg, payload
 
     def abort(self, run: Any) -> None:
         with self.cv:
@@ -199,12 +217,155 @@ class Session:
             self.inbox.clear()
             self.cv.notify_all()
         n = self.store.clear()
+        if self.executor is not None:
+            self.executor.close()
         self.programs.clear()
         self.records.clear()
         self.sent.clear()
         self.queue.clear()
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
         return n
+
+
+# --- serving one request ----------------------------------------------------------------------
+
+
+def answer(host: Host, session: Session, msg: dict, nbytes: int) -> bytes:
+    """Serve one accepted request of `session`; its reply, an error reply if anything fails.
+
+    Runs where the session's state lives: in the worker (in-process) or in the session's
+    executor process (executor.py). `bye` is the worker's own business.
+    """
+    rid, kind = msg["id"], msg["kind"]
+    try:
+        frees = msg.get("free", [])
+        if not isinstance(frees, list) or not all(type(v) is int for v in frees):
+            raise RequestError("'free' must be a list of value ids")
+        body = {"ok": True, **_HANDLERS[kind](host, session, msg, frees, nbytes)}
+    except (RequestError, wire.WireError, OpRefused, LimitExceeded) as e:
+        log.warning("%s: refused a %r request from %s: %s", host.name, kind, session.key, e)
+        body = error_body(host.name, e)
+    except Exception as e:  # a bug, or a failure outside a program: still one reply
+        log.exception("%s: %r request from %s failed", host.name, kind, session.key)
+        body = error_body(host.name, e)
+    return encode_reply(host.name, rid, body)
+
+
+def encode_reply(worker: str, rid: str, body: dict) -> bytes:
+    """The reply message; if the body cannot be encoded, an error reply saying why."""
+    try:
+        return wire.encode({"kind": "reply", "re": rid, "worker": worker, **body})
+    except Exception as e:  # a result that cannot be sent: the client still hears why
+        log.warning("%s: could not encode the reply to %s: %s", worker, rid, e)
+        error = error_body(worker, RequestError(f"the reply could not be encoded: {e}"))
+        return wire.encode({"kind": "reply", "re": rid, "worker": worker, **error})
+
+
+def error_body(worker: str, error: Exception) -> dict:
+    """The reply to a refused request: nothing it asked for happened, not even its frees."""
+    code = getattr(error, "code", "refused")
+    return {
+        "ok": False,
+        "error": {"worker": worker, "message": str(error), "code": code, "refused": True},
+    }
+
+
+def _free(session: Session, frees: list[int]) -> None:
+    for vid in frees:
+        session.store.free(vid)
+
+
+def _ping(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    _free(session, frees)  # "free" requests too: every request carries releases
+    return {}
+
+
+def _put(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    values = msg.get("values")
+    if not isinstance(values, list) or not all(
+        isinstance(item, list)
+        and len(item) == 2
+        and type(item[0]) is int
+        and isinstance(item[1], torch.Tensor)
+        for item in values
+    ):
+        raise RequestError("put values must be [value id, tensor] pairs")
+    size = sum(t.untyped_storage().nbytes() for _, t in values)
+    after = session.memory() - session.store.bytes_freed_by(frees) + size
+    host.limits.check_memory(after, "storing these tensors")
+    _free(session, frees)
+    for vid, tensor in values:
+        session.store.put(vid, tensor)
+    return {}
+
+
+def _seed(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    seed = msg.get("seed")
+    if type(seed) is not int:
+        raise RequestError("seed must be an int")
+    session.rng.manual_seed(seed)
+    _free(session, frees)
+    return {}
+
+
+def _stats(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    _free(session, frees)
+    out = {
+        "objects": len(session.store),
+        "stored_bytes": session.store.stored_bytes,
+        "memory": session.memory(),
+        "ops_run": session.ops_run,
+        "messages": session.traffic.messages,
+        "bytes": session.traffic.bytes,
+    }
+    if msg.get("reset"):
+        session.traffic.reset()
+        session.ops_run = 0
+    return out
+
+
+def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    start = time.monotonic()
+    run, plan_id, slots = msg.get("run"), msg.get("plan"), msg.get("slots")
+    params = msg.get("params")
+    if type(run) is not int or type(plan_id) is not int or not isinstance(slots, list):
+        raise RequestError("a run needs 'run', 'plan' and 'slots'")
+    if not all(type(v) is int for v in slots):
+        raise RequestError("slots must be value ids")
+    if not isinstance(params, list) or not all(
+        isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
+    ):
+        raise RequestError("params must be [index, value] pairs")
+    params = dict(params)
+    if "program" in msg:
+        program = Program(msg["program"], len(slots), nbytes)
+    else:
+        program = session.programs.get(plan_id)
+        if program is None:
+            raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
+    if len(slots) != program.n_slots or not program.params <= params.keys():
+        raise RequestError(f"run of plan {plan_id} does not fit its program")
+    # Checked from meta shapes before anything runs or changes; frees count as done.
+    peak, work, unchecked = program.footprint(session.store, slots, params)
+    held = session.memory() - session.store.bytes_freed_by(frees)
+    if "program" in msg and plan_id not in session.programs:
+        held += program.nbytes
+    host.limits.check_memory(held + peak, f"run {run} (plan {plan_id})")
+    host.limits.check_work(work, f"run {run} (plan {plan_id})")
+    if "program" in msg:
+        session.add_program(plan_id, program)
+    session.programs.move_to_end(plan_id)
+    _free(session, frees)
+    deadline = host.limits.deadline(start)
+    return Run(host, session, run, slots, params, deadline).execute(program, unchecked)
+
+
+def _bye(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    return {"freed": session.store.clear()}  # in an executor; the worker forgets the rest
+
+
+_HANDLERS = {"put": _put, "run": _run, "seed": _seed, "stats": _stats, "free": _ping,
+             "ping": _ping, "bye": _bye}  # fmt: skip
 
 
 class Program:
@@ -335,10 +496,10 @@ class Run:
     """One program's execution for one session on one worker."""
 
     def __init__(
-        self, worker: Worker, session: Session, run: int, slots: list, params: dict,
+        self, host: Host, session: Session, run: int, slots: list, params: dict,
         deadline: float,
     ) -> None:  # fmt: skip
-        self.w = worker
+        self.w = host
         self.s = session
         self.run = run
         self.slots = slots
@@ -462,35 +623,19 @@ class Run:
 
     def recv(self, slot: int, src: str) -> None:
         vid = self.slots[slot]
-        key = (self.run, vid, src)
         deadline = min(time.monotonic() + self.w.recv_timeout, self.deadline)
-        wait = RESEND_AFTER
-        ask = time.monotonic() + wait
-        s = self.s
-        with s.cv:
-            while key not in s.inbox:
-                if self.run in s.aborted:
-                    raise UpstreamFailed(f"run {self.run} was aborted by its client")
-                if s.closed:
-                    raise UpstreamFailed("the session was closed")
-                if not self.w.peer_alive(src):
-                    raise UpstreamFailed(f"worker {src} stopped answering")
-                now = time.monotonic()
-                if now >= self.deadline:
-                    raise TimeLimitExceeded(self.w.limits.max_request_seconds)
-                if now >= deadline:
-                    raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
-                if now >= ask:  # ipfs: maybe dropped; the sender resends it if it was sent
-                    self.w.ask_resend(s, self.run, vid, src)
-                    wait = min(2 * wait, 8 * RESEND_AFTER)  # ipfs: slow, or lost again
-                    ask = now + wait
-                s.cv.wait(min(deadline, ask) - now)
-            got = s.take(key)
-        if isinstance(got, dict):
+        try:
+            got = self.w.receive(self.s, (self.run, vid, src), deadline)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise TimeLimitExceeded(self.w.limits.max_request_seconds) from None
+            raise
+        if got.get("error") is not None:
             raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
-        if not isinstance(got, torch.Tensor):
+        tensor = got.get("tensor")
+        if not isinstance(tensor, torch.Tensor):
             raise wire.WireError(f"transfer of %{vid} from {src} carried no tensor")
-        self.store(slot, got)
+        self.store(slot, tensor)
 
     def fail(self, steps: list, index: int, error: Exception) -> dict:
         """Report the failure, tell waiting workers, and undo what this run stored."""

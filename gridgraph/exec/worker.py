@@ -16,7 +16,10 @@ Policy:
     - The transport's thread only decodes, checks and enqueues (`on_message`); it never
       blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
     - Each session's requests run one at a time in arrival order on a thread of its own, so
-      one client's long program, or a `recv` that waits, delays no other client.
+      one client's long program, or a `recv` that waits, delays no other client. With
+      `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
+      executor process (executor.py): a crash, OOM kill or time-out there ends that session
+      only, and every later request of it gets an error naming the cause.
     - Exactly once: a request id runs at most once per session (the session's records).
       A resend of a request that is queued or running is ignored; one that already has its
       reply gets that reply again. Every accepted request gets exactly one reply: an error
@@ -41,10 +44,17 @@ from collections.abc import Callable
 
 import torch
 
-from gridgraph.exec import wire
+from gridgraph.exec import executor, wire
 from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter
-from gridgraph.exec.ops import OpRefused
-from gridgraph.exec.session import Program, RequestError, Run, Session
+from gridgraph.exec.session import (
+    RESEND_AFTER,
+    RequestError,
+    Session,
+    UpstreamFailed,
+    answer,
+    encode_reply,
+    error_body,
+)
 from gridgraph.exec.transport import Transport
 
 log = logging.getLogger("gridgraph.worker")
@@ -67,6 +77,7 @@ class Worker:
         transport: Transport,
         *,
         limits: Limits | None = None,
+        isolate: bool = False,
         recv_timeout: float = 120.0,
         peer_identity: Callable[[str], str | None] | None = None,
         peer_alive: Callable[[str], bool] = lambda name: True,
@@ -74,6 +85,10 @@ class Worker:
         self.name = name
         self.transport = transport
         self.limits = limits or Limits()
+        # Run each session's programs in an executor process of its own (executor.py).
+        self.isolate = isolate
+        if isolate:
+            threading.Thread(target=executor.prewarm, daemon=True).start()
         self.recv_timeout = recv_timeout
         # Maps a worker name to its transport identity, to check who sent a transfer. It is
         # called on the transport's thread, so it must answer at once (None: unknown yet).
@@ -88,15 +103,6 @@ class Worker:
         # Publications decided on the transport's thread go out from this one thread.
         self._outbox: queue.Queue = queue.Queue()
         self._closed = False
-        self._handlers = {
-            "put": self._put,
-            "run": self._run,
-            "free": lambda s, msg, frees, nbytes: self._free(s, frees) or {},
-            "stats": self._stats,
-            "seed": self._seed,
-            "bye": self._bye,
-            "ping": lambda s, msg, frees, nbytes: self._free(s, frees) or {},
-        }
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
         self._sender.start()
         transport.subscribe(worker_topic(name), self.on_message)
@@ -116,7 +122,7 @@ class Worker:
         try:
             kind = msg["kind"]
             if kind == "transfer":
-                self._accept_transfer(sender, msg, len(payload))
+                self._accept_transfer(sender, msg, payload)
             elif kind == "resend":  # ipfs: a receiver missed a transfer
                 self._resend(sender, msg)
             elif kind == "abort":  # the session's thread may be blocked in a recv
@@ -124,11 +130,11 @@ class Worker:
                 if session is not None:
                     session.abort(msg.get("run"))
             else:
-                self._accept_request(sender, msg, len(payload))
+                self._accept_request(sender, msg, payload)
         except Exception:  # a bug must not take the transport's thread down
             log.exception("%s: failed to accept a message from %s", self.name, sender)
 
-    def _accept_request(self, sender: str, msg: dict, nbytes: int) -> None:
+    def _accept_request(self, sender: str, msg: dict, payload: bytes) -> None:
         rid, reply_to = msg.get("id"), msg.get("reply_to")
         if not isinstance(reply_to, str) or not isinstance(rid, str):
             log.warning("%s: dropped a %r request without id or reply_to", self.name, msg["kind"])
@@ -141,7 +147,7 @@ class Worker:
             self._refuse(reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
-            self._outbox.put((reply_to, self._encode_reply(rid, {"ok": True, "freed": 0})))
+            self._outbox.put((reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0})))
             return
         with session.cv:
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
@@ -172,7 +178,7 @@ class Worker:
                 rec.sent_at = arrived
                 self._outbox.put((reply_to, reply))
                 return
-            session.queue.append((msg, arrived, nbytes))
+            session.queue.append((msg, arrived, payload))
             if session.busy:
                 return
             session.busy = True
@@ -197,7 +203,7 @@ class Worker:
             session = self.sessions[key] = Session(key, peer)
             return session
 
-    def _accept_transfer(self, sender: str, msg: dict, nbytes: int) -> None:
+    def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
         try:
             key = (int(msg["run"]), int(msg["value"]), str(msg["src"]))
             client = str(msg["client"])
@@ -212,13 +218,17 @@ class Worker:
             session = self._transfer_session(client)
             if session is None:
                 return
-        item = msg.get("tensor") if msg.get("error") is None else msg
-        if not isinstance(item, (torch.Tensor, dict)):
-            item = {"error": "a transfer must carry a tensor or an error"}
+        if msg.get("error") is None and not isinstance(msg.get("tensor"), torch.Tensor):
+            msg = {"error": "a transfer must carry a tensor or an error"}
+            payload = b""
         cap = self.limits.max_client_memory
-        if cap is not None and session.memory() + nbytes > cap:
-            item = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
-        session.deliver(key, item, nbytes)
+        if cap is not None and session.memory() + len(payload) > cap:
+            msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
+            payload = b""
+        if not payload:  # an error in place of the transfer: what an executor is sent
+            msg = {"kind": "transfer", **msg}
+            payload = wire.encode(msg)
+        session.deliver(key, msg, payload)
 
     def _transfer_session(self, client: str) -> Session | None:
         """The session a transfer names, created if its peer may hold one more."""
@@ -258,29 +268,44 @@ class Worker:
                 if not session.queue or session.closed:
                     session.busy = False
                     return
-                msg, arrived, nbytes = session.queue.popleft()
+                msg, arrived, payload = session.queue.popleft()
             try:
-                self._serve(session, msg, nbytes)
+                self._serve(session, msg, payload)
             except Exception:  # a bug must not take the worker down
                 log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
 
-    def _serve(self, session: Session, msg: dict, nbytes: int = 0) -> None:
+    def _serve(self, session: Session, msg: dict, payload: bytes) -> None:
         rid, kind = msg["id"], msg["kind"]
-        try:
-            frees = msg.get("free", [])
-            if not isinstance(frees, list) or not all(type(v) is int for v in frees):
-                raise RequestError("'free' must be a list of value ids")
-            body = {"ok": True, **self._handlers[kind](session, msg, frees, nbytes)}
-        except (RequestError, wire.WireError, OpRefused, LimitExceeded) as e:
-            log.warning("%s: refused a %r request from %s: %s", self.name, kind, session.key, e)
-            body = _error_body(self.name, e)
-        except Exception as e:  # a bug, or a failure outside a program: still one reply
-            log.exception("%s: %r request from %s failed", self.name, kind, session.key)
-            body = _error_body(self.name, e)
-        reply = self._encode_reply(rid, body)
         if kind == "bye":
+            freed = 0
+            if session.executor is not None and session.executor.lost is None:
+                try:  # the executor holds the tensors: it counts them
+                    done = wire.decode(session.executor.request(payload, 0, self, session))
+                    freed = int(done.get("freed", 0))
+                except (executor.ExecutorLost, wire.WireError, ValueError, TypeError):
+                    pass
+            freed += self._forget(session)
+            log.info("%s: client %s freed %d tensors", self.name, session.key, freed)
+            reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, msg["reply_to"], reply, counted=True)
             return
+        if not self.isolate:
+            reply = answer(self, session, msg, len(payload))
+        else:
+            try:
+                if session.executor is None:
+                    session.executor = executor.Executor(
+                        self.name, session.key, self.limits, self.recv_timeout
+                    )
+                reply = session.executor.request(payload, session.memory(), self, session)
+            except executor.ExecutorLost as e:
+                lost = executor.ExecutorLost(
+                    f"this client's session on worker {self.name} was lost: its executor "
+                    f"process ended because {e}; the tensors it held here are gone"
+                )
+                reply = encode_reply(self.name, rid, error_body(self.name, lost))
+        if kind == "stats":  # the traffic is counted here, whatever runs the programs
+            reply = self._with_traffic(session, rid, reply, bool(msg.get("reset")))
         with session.cv:
             rec = session.records.get(rid)
             if rec is not None:
@@ -289,16 +314,16 @@ class Worker:
         if rec is not None:
             rec.sent_at = time.monotonic()
 
-    def _encode_reply(self, rid: str, body: dict) -> bytes:
-        try:
-            return wire.encode({"kind": "reply", "re": rid, "worker": self.name, **body})
-        except Exception as e:  # a result that cannot be sent: the client still hears why
-            log.warning("%s: could not encode the reply to %s: %s", self.name, rid, e)
-            error = _error_body(self.name, RequestError(f"the reply could not be encoded: {e}"))
-            return wire.encode({"kind": "reply", "re": rid, "worker": self.name, **error})
+    def _with_traffic(self, session: Session, rid: str, reply: bytes, reset: bool) -> bytes:
+        body = wire.decode(reply)
+        if body.get("ok"):
+            body.update(messages=session.traffic.messages, bytes=session.traffic.bytes)
+            if reset:
+                session.traffic.reset()
+        return wire.encode(body)
 
     def _error_reply(self, rid: str, error: Exception) -> bytes:
-        return self._encode_reply(rid, _error_body(self.name, error))
+        return encode_reply(self.name, rid, error_body(self.name, error))
 
     def _refuse(self, reply_to: str, rid: str, error: Exception) -> None:
         """An error reply decided on the transport's thread (nothing recorded, nothing run)."""
@@ -313,55 +338,7 @@ class Worker:
         except Exception as e:  # the transport is closing, or the node is down
             log.warning("%s: could not send to %s: %s", self.name, topic, e)
 
-    # --- requests --------------------------------------------------------------------------
-
-    def _free(self, session: Session, frees: list[int]) -> None:
-        for vid in frees:
-            session.store.free(vid)
-
-    def _put(self, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-        values = msg.get("values")
-        if not isinstance(values, list) or not all(
-            isinstance(item, list)
-            and len(item) == 2
-            and type(item[0]) is int
-            and isinstance(item[1], torch.Tensor)
-            for item in values
-        ):
-            raise RequestError("put values must be [value id, tensor] pairs")
-        size = sum(t.untyped_storage().nbytes() for _, t in values)
-        after = session.memory() - session.store.bytes_freed_by(frees) + size
-        self.limits.check_memory(after, "storing these tensors")
-        self._free(session, frees)
-        for vid, tensor in values:
-            session.store.put(vid, tensor)
-        return {}
-
-    def _seed(self, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-        seed = msg.get("seed")
-        if type(seed) is not int:
-            raise RequestError("seed must be an int")
-        session.rng.manual_seed(seed)
-        self._free(session, frees)
-        return {}
-
-    def _stats(self, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-        self._free(session, frees)
-        out = {
-            "objects": len(session.store),
-            "stored_bytes": session.store.stored_bytes,
-            "memory": session.memory(),
-            "ops_run": session.ops_run,
-            "messages": session.traffic.messages,
-            "bytes": session.traffic.bytes,
-        }
-        if msg.get("reset"):
-            session.traffic.reset()
-            session.ops_run = 0
-        return out
-
-    def _bye(self, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-        return {"freed": self._forget(session)}
+    # --- sessions ending ------------------------------------------------------------------
 
     def _forget(self, session: Session) -> int:
         with self._lock:
@@ -371,7 +348,7 @@ class Worker:
             while len(self._closed_sessions) > CLOSED_KEPT:
                 self._closed_sessions.popitem(last=False)
         n = session.close()
-        log.info("%s: client %s left, freed %d tensors", self.name, session.key, n)
+        log.info("%s: client %s left", self.name, session.key)
         return n
 
     def expire_clients(self, lease: float) -> None:
@@ -386,50 +363,48 @@ class Worker:
                     self.sessions.pop(session.key, None)
                 session.close()
 
-    def _run(self, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-        start = time.monotonic()
-        run, plan_id, slots = msg.get("run"), msg.get("plan"), msg.get("slots")
-        params = msg.get("params")
-        if type(run) is not int or type(plan_id) is not int or not isinstance(slots, list):
-            raise RequestError("a run needs 'run', 'plan' and 'slots'")
-        if not all(type(v) is int for v in slots):
-            raise RequestError("slots must be value ids")
-        if not isinstance(params, list) or not all(
-            isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
-        ):
-            raise RequestError("params must be [index, value] pairs")
-        params = dict(params)
-        if "program" in msg:
-            program = Program(msg["program"], len(slots), nbytes)
-        else:
-            program = session.programs.get(plan_id)
-            if program is None:
-                raise RequestError(
-                    f"unknown plan {plan_id}: send its program again", "unknown-plan"
-                )
-        if len(slots) != program.n_slots or not program.params <= params.keys():
-            raise RequestError(f"run of plan {plan_id} does not fit its program")
-        # Checked from meta shapes before anything runs or changes; frees count as done.
-        peak, work, unchecked = program.footprint(session.store, slots, params)
-        held = session.memory() - session.store.bytes_freed_by(frees)
-        if "program" in msg and plan_id not in session.programs:
-            held += program.nbytes
-        self.limits.check_memory(held + peak, f"run {run} (plan {plan_id})")
-        self.limits.check_work(work, f"run {run} (plan {plan_id})")
-        if "program" in msg:
-            session.add_program(plan_id, program)
-        session.programs.move_to_end(plan_id)
-        self._free(session, frees)
-        deadline = self.limits.deadline(start)
-        return Run(self, session, run, slots, params, deadline).execute(program, unchecked)
-
     # --- transfers between workers (called by Run) -----------------------------------------
 
     def transfer(self, session: Session, dst: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst` (see session.Host)."""
+        self.publish_transfer(session, dst, (msg["run"], msg["value"]), wire.encode(msg))
+
+    def publish_transfer(
+        self, session: Session, dst: str, run_value: tuple[int, int], payload: bytes
+    ) -> None:
         """Send a transfer and keep it a while, in case the receiver asks again. # ipfs:"""
-        payload = wire.encode(msg)
-        session.keep_sent((msg["run"], msg["value"], dst), payload)
+        session.keep_sent((*run_value, dst), payload)
         self._publish(session, worker_topic(dst), payload, counted=True)
+
+    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+        """The transfer `key` = (run, value id, sending worker) for `session` (see Host)."""
+        return self.wait_transfer(session, key, deadline)[0]
+
+    def wait_transfer(
+        self, session: Session, key: tuple[int, int, str], deadline: float
+    ) -> tuple[dict, bytes]:
+        """Wait for a transfer from the worker `key` names; give up once that worker or the
+        client is gone (or at `deadline`), asking for a resend now and then (ipfs)."""
+        run, vid, src = key
+        wait = RESEND_AFTER
+        ask = time.monotonic() + wait
+        with session.cv:
+            while key not in session.inbox:
+                if run in session.aborted:
+                    raise UpstreamFailed(f"run {run} was aborted by its client")
+                if session.closed:
+                    raise UpstreamFailed("the session was closed")
+                if not self.peer_alive(src):
+                    raise UpstreamFailed(f"worker {src} stopped answering")
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
+                if now >= ask:  # ipfs: maybe dropped; the sender resends it if it was sent
+                    self.ask_resend(session, run, vid, src)
+                    wait = min(2 * wait, 8 * RESEND_AFTER)  # ipfs: slow, or lost again
+                    ask = now + wait
+                session.cv.wait(min(deadline, ask) - now)
+            return session.take(key)
 
     def ask_resend(self, session: Session, run: int, vid: int, src: str) -> None:
         """ipfs: ask worker `src` to send a transfer again (it may have been dropped)."""
@@ -447,15 +422,6 @@ class Worker:
         for session in sessions:
             session.close()
         self._sender.join(timeout=5)
-
-
-def _error_body(worker: str, error: Exception) -> dict:
-    """The reply to a refused request: nothing it asked for happened, not even its frees."""
-    code = getattr(error, "code", "refused")
-    return {
-        "ok": False,
-        "error": {"worker": worker, "message": str(error), "code": code, "refused": True},
-    }
 
 
 def _client_key(sender: str, msg: dict) -> str:

@@ -11,6 +11,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.worker import worker_topic
+from gridgraph.schedule.plan import Slot
 
 
 class Peer:
@@ -52,3 +53,10 @@ def second_client(grid: gg.Grid, name: str = "bob") -> Grid:
     """Another user's grid over the same in-process workers (a second session, own peer)."""
     bus = grid.client.transport._bus
     return Grid(Client(bus.endpoint(name), [w.name for w in grid.workers]))
+
+
+def add_one_in_place(vid: int) -> dict:
+    """A run that adds 1 to value `vid` in place: run twice, it would add 2."""
+    step = ["call", "aten::add_.Tensor", [Slot(0), 1.0], {}, [1], [], False]
+    return {"kind": "run", "run": 1, "plan": 1, "program": [[step]], "slots": [vid, vid + 1],
+            "params": []}  # fmt: skip

@@ -470,7 +470,7 @@ def test_close_frees_the_clients_tensors_on_every_worker(kubo_nodes, ipfs_worker
         client = f"{grid.client.transport.identity}/{grid.client.session}"
     freed = 0
     for w in ipfs_workers:
-        found = re.findall(rf"client {re.escape(client)} left, freed (\d+) tensors", w.log_tail())
+        found = re.findall(rf"client {re.escape(client)} freed (\d+) tensors", w.log_tail())
         freed += int(found[-1])
     assert freed == 4
     with pytest.raises(gg.GridError, match="closed"):

@@ -10,19 +10,11 @@ import uuid
 
 import pytest
 import torch
-from local_peer import Peer, second_client
+from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.schedule.plan import Slot
-
-
-def add_one_in_place(vid: int) -> dict:
-    """A run that adds 1 to value `vid` in place: run twice, it would add 2."""
-    step = ["call", "aten::add_.Tensor", [Slot(0), 1.0], {}, [1], [], False]
-    return {"kind": "run", "run": 1, "plan": 1, "program": [[step]], "slots": [vid, vid + 1],
-            "params": []}  # fmt: skip
-
 
 # --- exactly once ----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from gridgraph.exec import wire
+from gridgraph.exec import executor, wire
 from gridgraph.exec.ipfs.discovery import DEFAULT_LEASE, HEARTBEAT, Directory, check_name
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
@@ -32,12 +32,14 @@ def run_worker(
     heartbeat: float = HEARTBEAT,
     recv_timeout: float = 120.0,
     limits: Limits | None = None,
+    isolate: bool = True,
     stop: threading.Event | None = None,
 ) -> int:
     """Serve as worker `name` through the Kubo node at `ipfs` until SIGTERM/SIGINT (or `stop`).
 
     Announces itself every `heartbeat` s, frees the tensors of clients silent for `lease` s,
-    grants each client the budgets of `limits` (default `Limits()`, see limits.py), and
+    grants each client the budgets of `limits` (default `Limits()`, see limits.py), runs each
+    client session's programs in an executor process of its own unless `isolate` is False, and
     says goodbye on the discovery topic when it stops. Returns the exit status.
 
     Example:
@@ -55,7 +57,9 @@ def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, limits, stop)
+        return _serve_as_worker(
+            transport, ipfs, name, lease, heartbeat, recv_timeout, limits, isolate, stop
+        )
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -63,13 +67,17 @@ def run_worker(
 
 def _serve_as_worker(
     transport: WorkerTransport, ipfs: str, name: str, lease: float, heartbeat: float,
-    recv_timeout: float, limits: Limits, stop: threading.Event,
+    recv_timeout: float, limits: Limits, isolate: bool, stop: threading.Event,
 ) -> int:  # fmt: skip
     instance = uuid.uuid4().hex[:12]
     asked = threading.Event()  # a client asked for announcements (or we are stopping)
     threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
     directory = Directory(on_discover=asked.set)
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+    # Executors fork from a server that imports torch first: start it now, and announce only
+    # once it is up, so that a client's first request does not wait seconds for it.
+    warming = threading.Thread(target=executor.prewarm if isolate else lambda: None, daemon=True)
+    warming.start()
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
     if stop.wait(1.5 * heartbeat):
@@ -81,11 +89,14 @@ def _serve_as_worker(
         log.error("a worker named %r is already running (peer %s); pick another --name",
                   name, rival.identity)  # fmt: skip
         return 1
+    while warming.is_alive() and not stop.wait(0.1):
+        pass
     worker = Worker(
         name,
         transport,
         recv_timeout=recv_timeout,
         limits=limits,
+        isolate=isolate,
         # never waits: it runs on the transport's reader thread (a transfer from a worker not
         # heard of yet is dropped, and the receiver asks for it again)
         peer_identity=directory.identity,
