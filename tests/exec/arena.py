@@ -39,6 +39,7 @@ def defence(what: str):
 class Arena:
     """A worker (`target`) that serves a well-behaved client and an attacker."""
 
+    kind: str  # "local" or "ipfs"
     victim: gg.Grid
     attacker: Peer
     target: str
@@ -97,7 +98,7 @@ def local_arena(**limits: object) -> Iterator[Arena]:
             peers.append(Peer(bus.endpoint(f"{name}-{uuid.uuid4().hex[:6]}")))
             return peers[-1]
 
-        yield Arena(grid, new_peer("mallory"), "w1", "w0", lambda: True, new_peer)
+        yield Arena("local", grid, new_peer("mallory"), "w1", "w0", lambda: True, new_peer)
         for p in peers:
             p.close()
 
@@ -118,14 +119,15 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
     def peer_on(api: str, session: str) -> Peer:
         transport = GridTransport(api)
         transport.wait_for_peers(worker_topic("w1"), 1, timeout=30)
-        peers.append(Peer(transport, session=session, resend=1.0))
+        # Workers outlive the test: a fresh session, so no test sees another's state.
+        peers.append(Peer(transport, session=f"{session}-{uuid.uuid4().hex[:8]}", resend=1.0))
         return peers[-1]
 
     def alive() -> bool:
         return all(w.proc.poll() is None for w in workers)
 
     mallory = peer_on(attacker.api, "mallory")
-    yield Arena(grid, mallory, "w1", "w0", alive, lambda name: peer_on(nodes[0].api, name))
+    yield Arena("ipfs", grid, mallory, "w1", "w0", alive, lambda name: peer_on(nodes[0].api, name))
     for p in peers:
         p.close()
 

@@ -12,7 +12,10 @@ runs each test on both). For each attack:
 
 from __future__ import annotations
 
+import base64
 import gc
+import hashlib
+import os
 import uuid
 
 import pytest
@@ -21,7 +24,16 @@ from arena import arena_fixture, attacker_node_fixture  # noqa: F401 (fixtures)
 from hostile import call, frame, run, tensor_ref
 
 from gridgraph.exec import wire
+from gridgraph.exec.ipfs.transport import pack_blocks
+from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
+
+
+def missing_cid() -> str:
+    """The CID of a block nobody has (CIDv1, raw, sha2-256 of random bytes)."""
+    raw = bytes([0x01, 0x55, 0x12, 0x20]) + hashlib.sha256(os.urandom(32)).digest()
+    return "b" + base64.b32encode(raw).decode().lower().rstrip("=")
+
 
 # --- op rules -------------------------------------------------------------------------------
 
@@ -142,12 +154,30 @@ def test_a_message_that_grows_at_decode_is_refused(arena):
 
 
 def test_a_message_over_the_size_limit_is_dropped(arena):
-    arena.attacker.publish(
-        arena.target, arena.attacker.message({"kind": "put", "values": [[1, torch.zeros(1 << 23)]]})
-    )
+    if arena.kind == "local":  # 32 MiB, over the arena's limit of 16 MiB
+        put = {"kind": "put", "values": [[1, torch.zeros(1 << 23)]]}
+        arena.attacker.publish(arena.target, arena.attacker.message(put))
+    else:  # an envelope declaring 1 GiB of blocks: refused before any block is fetched
+        refs = [(missing_cid(), 1 << 20) for _ in range(1024)]
+        arena.attacker.transport.kubo.pubsub_pub(worker_topic(arena.target),
+                                                 pack_blocks(refs, 1 << 30))  # fmt: skip
     assert arena.attack({"kind": "ping"})["ok"]
     assert arena.attacker_get(1)["ok"] is False
     arena.check()
+
+
+def test_envelopes_naming_blocks_nobody_has_stall_no_one(arena):
+    # Each block would be looked for for a minute; fetched on the reader thread, 20 of them
+    # stalled every client for 20 minutes (and a stall past the lease freed their tensors).
+    if arena.kind == "local":
+        pytest.skip("blocks exist on IPFS only")
+    for _ in range(5):
+        refs = [(missing_cid(), 1 << 19) for _ in range(4)]
+        arena.attacker.transport.kubo.pubsub_pub(worker_topic(arena.target),
+                                                 pack_blocks(refs, 4 << 19))  # fmt: skip
+    for _ in range(3):
+        arena.check()
+    assert arena.attack({"kind": "ping"})["ok"]
 
 
 # --- long programs and waits that never end -------------------------------------------------
