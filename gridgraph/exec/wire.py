@@ -169,7 +169,10 @@ def _default(obj: Any) -> Any:
     if type(obj) is Param:
         return msgpack.ExtType(2, msgpack.packb(obj.index))
     if isinstance(obj, torch.dtype):
-        return msgpack.ExtType(4, str(obj).removeprefix("torch.").encode())
+        name = str(obj).removeprefix("torch.")
+        if name not in DTYPES:  # the receiver would drop the whole message
+            raise WireError(f"dtype {obj} cannot be sent (workers take {', '.join(DTYPES)})")
+        return msgpack.ExtType(4, name.encode())
     if isinstance(obj, torch.device):
         return msgpack.ExtType(5, obj.type.encode())
     if isinstance(obj, (torch.memory_format, torch.layout)):

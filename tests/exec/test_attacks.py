@@ -20,9 +20,10 @@ import uuid
 
 import pytest
 import torch
-from arena import arena_fixture, attacker_node_fixture  # noqa: F401 (fixtures)
+from arena import arena_fixture, attacker_node_fixture, defence  # noqa: F401 (fixtures)
 from hostile import call, frame, run, tensor_ref
 
+import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.transport import pack_blocks
 from gridgraph.exec.worker import worker_topic
@@ -166,18 +167,32 @@ def test_a_message_over_the_size_limit_is_dropped(arena):
     arena.check()
 
 
-def test_envelopes_naming_blocks_nobody_has_stall_no_one(arena):
-    # Each block would be looked for for a minute; fetched on the reader thread, 20 of them
-    # stalled every client for 20 minutes (and a stall past the lease freed their tensors).
-    if arena.kind == "local":
-        pytest.skip("blocks exist on IPFS only")
-    for _ in range(5):
-        refs = [(missing_cid(), 1 << 19) for _ in range(4)]
-        arena.attacker.transport.kubo.pubsub_pub(worker_topic(arena.target),
-                                                 pack_blocks(refs, 4 << 19))  # fmt: skip
-    for _ in range(3):
-        arena.check()
-    assert arena.attack({"kind": "ping"})["ok"]
+@pytest.mark.ipfs
+@defence("block fetches off the Kubo reader thread, with bounds")
+def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, attacker_node, tmp_path):
+    # Each block is looked for for a minute; fetched on the reader thread, 20 of them stalled
+    # every client for 20 minutes (and a stall past the lease freed their tensors). A worker
+    # of its own, so that a stall (while the defence is missing) harms no other test.
+    from ipfs_fixtures import start_workers, stop_all
+
+    from gridgraph.exec.ipfs.transport import GridTransport
+
+    workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
+    attacker = GridTransport(attacker_node.api)
+    try:
+        attacker.wait_for_peers(worker_topic("stalled"), 1, timeout=30)
+        with gg.connect(ipfs=kubo_nodes[0].api, min_workers=1, workers=["stalled"],
+                        timeout=30) as victim:  # fmt: skip
+            x = torch.arange(8.0).send(victim.workers[0])
+            for _ in range(5):
+                refs = [(missing_cid(), 1 << 19) for _ in range(4)]
+                attacker.kubo.pubsub_pub(worker_topic("stalled"), pack_blocks(refs, 4 << 19))
+            for step in range(3):
+                assert torch.equal((x * step).get(), torch.arange(8.0) * step)
+        assert all(w.proc.poll() is None for w in workers)
+    finally:
+        attacker.close()
+        stop_all(workers)
 
 
 # --- long programs and waits that never end -------------------------------------------------

@@ -113,3 +113,12 @@ def test_memory_growth_at_decode_is_bounded():
         growth = _rss() - before
         del message
         assert growth < 100 * wire.MAX_HEADER_BYTES, f"grew by {growth / 2**20:.0f} MiB"
+
+
+def test_a_dtype_the_receiver_would_refuse_is_refused_when_sending():
+    # complex32 went out as an argument, the worker dropped the message, the client waited.
+    with pytest.raises(wire.WireError, match="complex32 cannot be sent"):
+        wire.encode({"kind": "x", "dtype": torch.complex32})
+    assert (
+        wire.decode(wire.encode({"kind": "x", "dtype": torch.bfloat16}))["dtype"] is torch.bfloat16
+    )
