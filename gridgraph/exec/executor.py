@@ -28,7 +28,8 @@ Policy:
 
 Frames (network process -> executor, and back; `+ data` is a memfd, or inline bytes when
 small):
-    ["request", held] + data  ...  ["reply"] + data
+    ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
+                                                                   holds for the session)
     while serving, the executor may send
     ["transfer", dst, run, value] + data        the network process publishes it
     ["recv", run, value, src, seconds]          answered ["recv-ok"] + data, or
@@ -124,7 +125,8 @@ class Executor:
                     seconds = worker.limits.max_request_seconds
                     self._end(f"it ran past the time limit of {seconds:g} s and was killed")
                 frame, data = _receive(self.conn, self.max_data)
-                if frame[0] == "reply":
+                if frame[0] == "reply" and len(frame) == 2 and type(frame[1]) is int:
+                    session.elsewhere = frame[1]  # what the executor holds now
                     return data
                 if frame[0] == "transfer" and len(frame) == 4:
                     _, dst, run, value = frame
@@ -260,7 +262,8 @@ def _executor_main(
             return
         session.elsewhere = int(frame[1])
         msg = wire.decode(data)  # checked by the network process already
-        _send(conn, ["reply"], answer(host, session, msg, len(data)))
+        reply = answer(host, session, msg, len(data))
+        _send(conn, ["reply", session.memory() - session.elsewhere], reply)
 
 
 def _die_with_parent() -> None:

@@ -14,7 +14,8 @@ A client is one session of one authenticated peer (see worker.py). Policy:
     messages    a message over `max_message_bytes` is dropped unread.
     rate        each peer may send `requests_per_second` requests, in bursts of up to
                 `request_burst`; the rest are refused, naming the limit.
-    sessions    each peer holds at most `sessions_per_peer` sessions on a worker.
+    sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one
+                evicts the peer's own least recently seen idle session.
 
 Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()` (what
 `gg.local_grid` uses unless asked: an in-process grid serves only its own user).
@@ -57,7 +58,7 @@ class Limits:
     max_message_bytes: int = 256 * MiB
     requests_per_second: float = 500.0
     request_burst: int = 2000
-    sessions_per_peer: int = 16
+    sessions_per_peer: int = 64
 
     @classmethod
     def unlimited(cls) -> Limits:

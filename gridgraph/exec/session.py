@@ -115,14 +115,14 @@ class Session:
         self.sent: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
         self.inbox: dict[tuple[int, int, str], Any] = {}
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
-        self.aborted: set[int] = set()  # runs the client gave up on
+        self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
         self.busy = False  # a thread is serving the queue
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
         self.executor: Any = None  # the process running its programs (executor.py), if any
-        self.elsewhere = 0  # in an executor: bytes the worker's process holds for it
+        self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
         self._inbox_bytes = 0
         self._sent_bytes = 0
@@ -203,9 +203,12 @@ class Session:
         return msg, payload
 
     def abort(self, run: Any) -> None:
+        if type(run) is not int:
+            return
         with self.cv:
-            if len(self.aborted) < TRANSFERS_KEPT:
-                self.aborted.add(run)
+            self.aborted[run] = None
+            while len(self.aborted) > TRANSFERS_KEPT:
+                self.aborted.popitem(last=False)
             self.cv.notify_all()
 
     # --- end -------------------------------------------------------------------------------

@@ -8,8 +8,7 @@ State:
     sessions   client key -> Session (session.py): everything kept for one client. A client
                is the authenticated sender (`sender`, the transport's identity) plus the
                session id it chose; each peer may hold `limits.sessions_per_peer` of them
-    closed     client keys that said `bye` (the latest CLOSED_KEPT): their late requests are
-               refused, not run on a fresh session
+               (a new one beyond that evicts the peer's own least recently seen idle one)
     rate       a token bucket per peer (limits.py)
 
 Policy:
@@ -39,7 +38,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -60,7 +58,6 @@ from gridgraph.exec.transport import Transport
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
-CLOSED_KEPT = 4096  # session keys that said bye, remembered to refuse their late requests
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -97,8 +94,7 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
-        self._closed_sessions: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()  # guards sessions and _closed_sessions
+        self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Publications decided on the transport's thread go out from this one thread.
         self._outbox: queue.Queue = queue.Queue()
@@ -191,15 +187,18 @@ class Worker:
             session = self.sessions.get(key)
             if session is not None or not create:
                 return session
-            if key in self._closed_sessions:
-                raise RequestError("this session has ended (bye); start a new one", "closed")
-            if sum(s.peer == peer for s in self.sessions.values()) >= (
-                self.limits.sessions_per_peer
-            ):
-                raise LimitExceeded(
-                    f"this peer already holds {self.limits.sessions_per_peer} sessions here "
-                    "(sessions_per_peer)"
-                )
+            theirs = [s for s in self.sessions.values() if s.peer == peer]
+            if len(theirs) >= self.limits.sessions_per_peer:
+                idle = [s for s in theirs if not s.busy]
+                if not idle:
+                    raise LimitExceeded(
+                        f"this peer already runs {len(theirs)} sessions here (sessions_per_peer)"
+                    )
+                oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
+                del self.sessions[oldest.key]
+                log.info("%s: client %s evicted: its peer opened a session over its %d",
+                         self.name, oldest.key, self.limits.sessions_per_peer)  # fmt: skip
+                oldest.close()
             session = self.sessions[key] = Session(key, peer)
             return session
 
@@ -289,7 +288,8 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, msg["reply_to"], reply, counted=True)
             return
-        if not self.isolate:
+        if not self.isolate or session.executor is None and kind in ("ping", "free", "stats"):
+            # (before its executor starts, a session holds nothing: these need none)
             reply = answer(self, session, msg, len(payload))
         else:
             try:
@@ -297,7 +297,8 @@ class Worker:
                     session.executor = executor.Executor(
                         self.name, session.key, self.limits, self.recv_timeout
                     )
-                reply = session.executor.request(payload, session.memory(), self, session)
+                held = session.memory() - session.elsewhere
+                reply = session.executor.request(payload, held, self, session)
             except executor.ExecutorLost as e:
                 lost = executor.ExecutorLost(
                     f"this client's session on worker {self.name} was lost: its executor "
@@ -344,9 +345,6 @@ class Worker:
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
-            self._closed_sessions[session.key] = None
-            while len(self._closed_sessions) > CLOSED_KEPT:
-                self._closed_sessions.popitem(last=False)
         n = session.close()
         log.info("%s: client %s left", self.name, session.key)
         return n

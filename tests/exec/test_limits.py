@@ -118,14 +118,17 @@ def test_a_message_over_the_size_limit_is_dropped_unread():
         assert peer.request("w0", {"kind": "ping"})["ok"]
 
 
-def test_a_peer_holds_at_most_its_share_of_sessions():
+def test_a_peer_holds_at_most_its_share_of_sessions_and_a_new_one_evicts_its_oldest():
     with gg.local_grid(1, limits=Limits(sessions_per_peer=2)) as grid:
-        replies = [
-            Peer(grid, "many", session=f"s{i}").request("w0", {"kind": "ping"}) for i in range(3)
-        ]
-        assert [r["ok"] for r in replies] == [True, True, False]
-        assert "sessions" in replies[2]["error"]["message"]
-        x = torch.randn(3)
+        peers = [Peer(grid, "many", session=f"s{i}") for i in range(3)]
+        for peer in peers:
+            assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+        assert not any(k.endswith("/s0") for k in grid.local_workers[0].sessions)
+        fetch = {"kind": "run", "run": 1, "plan": 1, "program": [[["return", 0]]],
+                 "slots": [1], "params": []}  # fmt: skip
+        assert "not stored here" in peers[0].request("w0", fetch)["error"]["message"]
+        assert torch.equal(peers[2].request("w0", fetch)["returns"][0][1], torch.ones(2))
+        x = torch.randn(3)  # another peer's sessions are never evicted for it
         assert torch.equal((x.send(grid.workers[0]) + 1).get(), x + 1)
 
 

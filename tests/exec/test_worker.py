@@ -194,5 +194,7 @@ def test_bye_frees_everything_the_session_held(local_grid):
     assert not [k for k in worker.sessions if k.startswith("bob/")]
     assert session.memory() == 0 and not session.records and not session.programs
     late = Peer(local_grid, "bob", other.client.session)  # a late request of that session
-    reply = late.request("w2", {"kind": "ping"})
-    assert not reply["ok"] and "ended" in reply["error"]["message"]
+    fetch = {"kind": "run", "run": 9, "plan": 9, "program": [[["return", 0]]],
+             "slots": [x._vid], "params": []}  # fmt: skip
+    reply = late.request("w2", fetch)  # finds nothing left of it
+    assert not reply["ok"] and "not stored here" in reply["error"]["message"]

@@ -74,10 +74,10 @@ def _serve_as_worker(
     threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
     directory = Directory(on_discover=asked.set)
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
-    # Executors fork from a server that imports torch first: start it now, and announce only
-    # once it is up, so that a client's first request does not wait seconds for it.
-    warming = threading.Thread(target=executor.prewarm if isolate else lambda: None, daemon=True)
-    warming.start()
+    # Executors fork from a server that imports torch first: start it now, not on a client's
+    # first request (pings, as `connect` sends, are answered without it meanwhile).
+    if isolate:
+        threading.Thread(target=executor.prewarm, daemon=True).start()
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
     if stop.wait(1.5 * heartbeat):
@@ -89,8 +89,7 @@ def _serve_as_worker(
         log.error("a worker named %r is already running (peer %s); pick another --name",
                   name, rival.identity)  # fmt: skip
         return 1
-    while warming.is_alive() and not stop.wait(0.1):
-        pass
+    unknown: dict[str, float] = {}  # worker names asked about but never heard of
     worker = Worker(
         name,
         transport,
@@ -100,8 +99,7 @@ def _serve_as_worker(
         # never waits: it runs on the transport's reader thread (a transfer from a worker not
         # heard of yet is dropped, and the receiver asks for it again)
         peer_identity=directory.identity,
-        # a worker never heard of may still be starting: only one gone silent is dead
-        peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
+        peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
     )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False
@@ -141,6 +139,18 @@ def _serve_as_worker(
     announce("leave", seq)
     worker.close()
     return 0
+
+
+def _alive(directory: Directory, name: str, grace: float, unknown: dict[str, float]) -> bool:
+    """Whether worker `name` still answers. One never heard of may still be starting: it
+    counts as alive for `grace` s after it was first asked about (`unknown` says when), then
+    as gone."""
+    if directory.identity(name) is not None:
+        return directory.alive(name)
+    if len(unknown) > 1000:  # names from hostile programs: forget them
+        unknown.clear()
+    first = unknown.setdefault(name, time.monotonic())
+    return time.monotonic() - first < grace
 
 
 def _expire(worker: Worker, lease: float) -> tuple | None:
