@@ -8,7 +8,9 @@ How the list was built: the ops gridgraph records are those that reach
 `__torch_dispatch__`. `scripts/collect_dispatch_ops.py` runs every OpInfo sample of PyTorch's
 `op_db` (CPU; float32, float64, int64, bool, complex64, bfloat16; forward, backward and
 in-place variants) under a TorchDispatchMode and lists the overloads reached; that list was
-reviewed by hand into the categories below, and the ones in REFUSED were left out.
+reviewed by hand into the categories below, and the ones in REFUSED were left out. Added
+after review: `native_dropout` (nn.Dropout's kernel: decomposed, its random stream would
+differ from torch's) and `_embedding_bag_forward_only` (embedding_bag without autograd).
 
 What is never listed: private kernels that skip checks (`_unsafe_*` other than
 `_unsafe_view`, `_reshape_alias`), sparse constructors and kernels, nested tensors built from
@@ -156,7 +158,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     # convolution, pooling, padding, upsampling, normalisation, losses
     "neural network": (
         "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "_batch_norm_with_update", "_ctc_loss",
-        "_ctc_loss.Tensor", "_embedding_bag", "_log_softmax", "_native_batch_norm_legit",
+        "_ctc_loss.Tensor", "_embedding_bag", "_embedding_bag_forward_only", "_log_softmax",
+        "_native_batch_norm_legit",
         "_native_batch_norm_legit.no_stats", "_prelu_kernel", "_safe_softmax", "_softmax",
         "_upsample_bilinear2d_aa", "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
         "_upsample_nearest_exact3d", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool2d",
