@@ -61,6 +61,8 @@ class Peer:
         self.resend = resend
         self.topic = f"gridgraph.test.hostile.{uuid.uuid4().hex}"
         self.replies: queue.Queue[dict] = queue.Queue()
+        self.contacted: set[str] = set()  # workers it may hold a session on
+        self.closed = False
         self.transport.subscribe(self.topic, self._on_reply)
 
     def _on_reply(self, sender: str, payload: bytes) -> None:
@@ -80,6 +82,7 @@ class Peer:
         return rid
 
     def publish(self, worker: str, payload: bytes) -> None:
+        self.contacted.add(worker)
         self.transport.publish(worker_topic(worker), payload)
 
     def reply(self, rid: str, timeout: float = 20.0, worker: str | None = None,
@@ -115,4 +118,13 @@ class Peer:
             self.replies.get_nowait()
 
     def close(self) -> None:
+        """Say bye to every worker it wrote to (workers cap sessions per peer), then stop."""
+        if self.closed:
+            return
+        self.closed = True
+        for worker in sorted(self.contacted):
+            try:
+                self.request(worker, {"kind": "bye"}, timeout=5)
+            except TimeoutError:
+                pass
         self.transport.close()

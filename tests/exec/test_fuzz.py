@@ -20,7 +20,7 @@ import pytest
 import torch
 from arena import Arena, arena_fixture, attacker_node_fixture, local_arena  # noqa: F401
 from hostile import call, run
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gridgraph.exec import wire
@@ -211,6 +211,7 @@ class Fuzzer:
         self.sent: Counter[str] = Counter()
         self.unencodable = 0
         self.checks = 0
+        self.failure: BaseException | None = None  # raised after Hypothesis is done
 
     def send(self, kind: str, message: bytes | dict | None) -> None:
         peer = self.arena.attacker
@@ -229,12 +230,16 @@ class Fuzzer:
         peer.publish(self.arena.target, payload)
         self.sent[kind] += 1
         if sum(self.sent.values()) % self.check_every == 0:
-            self.check()
+            try:
+                self.check()
+            except BaseException as e:  # a crash or hang: stop fuzzing, report it
+                self.failure = e
 
     def check(self) -> None:
         """No crash, no hang: a fresh peer is answered, and the victim stays exact."""
         prober = self.arena.new_peer(f"prober{self.checks}")
         assert prober.request(self.arena.target, {"kind": "ping"}, timeout=60)["ok"]
+        prober.close()
         self.arena.check()
         self.checks += 1
 
@@ -256,15 +261,21 @@ class Fuzzer:
 def fuzz(arena: Arena, n: int, check_every: int, transport: str) -> Fuzzer:
     fuzzer = Fuzzer(arena, check_every)
 
+    # Generate only: the checks are not a property of one batch, so nothing to shrink.
     @settings(max_examples=-(-n // BATCH), deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(st.randoms(use_true_random=False))
     def send_batch(rng: random.Random) -> None:
         for _ in range(BATCH):
-            fuzzer.send(*a_message(rng))
+            if fuzzer.failure is None:
+                fuzzer.send(*a_message(rng))
 
     send_batch()
+    if fuzzer.failure is not None:
+        raise fuzzer.failure
     fuzzer.check()
+    for session in SESSIONS:  # workers cap the sessions a peer holds
+        arena.attacker.request(arena.target, {"kind": "bye", "session": session}, timeout=30)
     print(fuzzer.report(transport))
     return fuzzer
 
