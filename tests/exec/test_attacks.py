@@ -21,9 +21,8 @@ import uuid
 import pytest
 import torch
 from arena import arena_fixture, attacker_node_fixture, defence  # noqa: F401 (fixtures)
-from hostile import call, frame, run, tensor_ref
+from hostile import Peer, call, frame, run, tensor_ref
 
-import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.transport import pack_blocks
 from gridgraph.exec.worker import worker_topic
@@ -179,20 +178,24 @@ def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, attacker_no
 
     workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
     attacker = GridTransport(attacker_node.api)
+    victim = Peer(GridTransport(kubo_nodes[0].api), resend=1.0)  # a client, by hand
     try:
         attacker.wait_for_peers(worker_topic("stalled"), 1, timeout=30)
-        with gg.connect(ipfs=kubo_nodes[0].api, min_workers=1, workers=["stalled"],
-                        timeout=10) as victim:  # fmt: skip
-            x = torch.arange(8.0).send(victim.workers[0])
-            for _ in range(3):
-                refs = [(missing_cid(), 1 << 19) for _ in range(2)]
-                attacker.kubo.pubsub_pub(worker_topic("stalled"), pack_blocks(refs, 2 << 19))
-            for step in range(3):  # a minute of stall per block, or served at once
-                assert torch.equal((x * step).get(), torch.arange(8.0) * step)
+        x = torch.arange(8.0)
+        assert victim.request("stalled", {"kind": "put", "values": [[1, x]]})["ok"]
+        for _ in range(3):
+            refs = [(missing_cid(), 1 << 19) for _ in range(2)]
+            attacker.kubo.pubsub_pub(worker_topic("stalled"), pack_blocks(refs, 2 << 19))
+        # Stalled, the worker would not answer for three minutes; it must in seconds.
+        for _ in range(3):
+            assert victim.request("stalled", {"kind": "ping"}, timeout=15)["ok"]
+        triple = run([call("aten::mul.Tensor", [Slot(0), 3.0], [1]), ["return", 1]], [1, 2])
+        assert torch.equal(victim.request("stalled", triple)["returns"][0][1], x * 3)
         assert all(w.proc.poll() is None for w in workers)
     finally:
-        attacker.close()
         stop_all(workers)
+        victim.transport.close()
+        attacker.close()
 
 
 # --- long programs and waits that never end -------------------------------------------------
