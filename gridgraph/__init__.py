@@ -15,9 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RecordError, RemoteError, WorkerLost
+from gridgraph.errors import (
+    GridError,
+    PlacementError,
+    RecordError,
+    RemoteError,
+    SessionLost,
+    WorkerLost,
+)
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
+from gridgraph.exec.limits import Limits
 from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on
@@ -26,10 +34,12 @@ from gridgraph.trace.record import trace
 __all__ = [
     "Grid",
     "GridError",
+    "Limits",
     "PlacementError",
     "RecordError",
     "RemoteError",
     "RemoteTensor",
+    "SessionLost",
     "WorkerLost",
     "WorkerRef",
     "compute",

@@ -1,6 +1,8 @@
 """The `gridgraph` command line.
 
     gridgraph worker --ipfs /ip4/127.0.0.1/tcp/5001 --name w1 [--lease 300] [--log-level INFO]
+                     [--max-client-memory 4GiB] [--max-request-seconds 300]
+                     [--max-message-size 256MiB] [--max-requests-per-second 500]
                      [--allow-peers FILE]                # serve only the peers listed
     gridgraph id --ipfs /ip4/127.0.0.1/tcp/5001        # the node's peer ID, for trust lists
     gridgraph ipfs up --nodes 3 --root /tmp/swarm      # private loopback Kubo swarm
@@ -17,6 +19,7 @@ import logging
 import sys
 
 from gridgraph.exec.ipfs import swarm
+from gridgraph.exec.limits import Limits, parse_size
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -26,7 +29,21 @@ def _worker(args: argparse.Namespace) -> int:
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("urllib3").setLevel(logging.WARNING)  # one line per RPC call otherwise
-    return run_worker(args.ipfs, args.name, lease=args.lease, allow_peers=args.allow_peers)
+    limits = Limits(
+        max_client_memory=args.max_client_memory,
+        max_request_seconds=args.max_request_seconds,
+        max_message_bytes=args.max_message_size,
+        requests_per_second=args.max_requests_per_second,
+        request_burst=max(1, int(4 * args.max_requests_per_second)),
+    )
+    return run_worker(
+        args.ipfs,
+        args.name,
+        lease=args.lease,
+        limits=limits,
+        isolate=args.isolate,
+        allow_peers=args.allow_peers,
+    )
 
 
 def _id(args: argparse.Namespace) -> int:
@@ -58,6 +75,42 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=300.0,
         help="free a client's tensors after this many silent seconds (default: %(default)s)",
+    )
+    defaults = Limits()
+    worker.add_argument(
+        "--max-client-memory",
+        type=parse_size,
+        default=defaults.max_client_memory,
+        metavar="SIZE",
+        help="bytes each client may hold here: tensors, transfers, cached replies and "
+        "programs; a program that would need more is refused before it runs (default: 4GiB)",
+    )
+    worker.add_argument(
+        "--max-request-seconds",
+        type=float,
+        default=defaults.max_request_seconds,
+        metavar="S",
+        help="a request running longer is stopped and undone (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--max-message-size",
+        type=parse_size,
+        default=defaults.max_message_bytes,
+        metavar="SIZE",
+        help="larger messages are dropped unread (default: 256MiB)",
+    )
+    worker.add_argument(
+        "--max-requests-per-second",
+        type=float,
+        default=defaults.requests_per_second,
+        metavar="N",
+        help="per peer, in bursts of up to 4 s worth (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each client session's programs in a process of its own (default: on)",
     )
     worker.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]

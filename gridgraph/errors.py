@@ -44,3 +44,14 @@ class WorkerLost(RuntimeError):
         self.values = values or []
         lost = f"; lost tensors: {', '.join(self.values)}" if self.values else ""
         super().__init__(f"worker {worker!r} stopped answering{lost}")
+
+
+class SessionLost(RemoteError):
+    """This client's session on a worker ended: the process running its programs crashed,
+    ran out of memory or past the worker's time limit. The tensors it held there are gone
+    (`.worker` names the worker, `.cause` says why); other workers and clients carry on."""
+
+    def __init__(self, worker: str, cause: str) -> None:
+        super().__init__(worker, "<session>", cause)
+        self.cause = cause
+        self.args = (cause,)

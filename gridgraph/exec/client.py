@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, PlacementError, RemoteError, SessionLost, WorkerLost
 from gridgraph.exec import wire
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
-from gridgraph.exec.worker import worker_topic
+from gridgraph.exec.worker import client_topic, worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place
@@ -85,7 +85,7 @@ class Client:
         self.alive = alive
         self.graph = Graph()
         self.session = uuid.uuid4().hex[:12]
-        self.topic = f"gridgraph.client.{transport.identity}.{self.session}"
+        self.topic = client_topic(transport.identity, self.session)
         self.live: dict[int, _Cell] = {}
         self.failed: dict[int, RemoteError] = {}
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
@@ -101,7 +101,8 @@ class Client:
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
-        self._outstanding: dict[str, tuple[str, bytes, bool]] = {}  # request id -> resend
+        # request id -> (worker, payload to resend, the ids it frees)
+        self._outstanding: dict[str, tuple[str, bytes, list[int]]] = {}
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
@@ -340,6 +341,8 @@ class Client:
         return replies
 
     def _remote_error(self, error: dict, slots: list[int]) -> RemoteError:
+        if error.get("code") == "session-lost":
+            return SessionLost(str(error.get("worker")), str(error.get("message")))
         where = "<unknown>"
         slot = error.get("slot")
         if isinstance(slot, int) and slot < len(slots):
@@ -363,6 +366,8 @@ class Client:
         reply = self._wait(worker, self._send(worker, msg, counted))
         if not reply.get("ok"):
             error = reply.get("error", {})
+            if error.get("code") == "session-lost":
+                raise SessionLost(worker, str(error.get("message")))
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
 
@@ -377,7 +382,7 @@ class Client:
         }
         self.frees[worker] = []
         payload = wire.encode(msg)
-        self._outstanding[rid] = (worker, payload, counted)
+        self._outstanding[rid] = (worker, payload, msg["free"])
         self.transport.publish(worker_topic(worker), payload, counted)
         return rid
 
@@ -396,7 +401,11 @@ class Client:
                 while True:
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
                     if not waiting:
-                        return {w: self._replies.pop(rid) for w, rid in rids.items()}
+                        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
+                        for w, reply in replies.items():  # a refused request freed nothing
+                            if not reply.get("ok") and reply.get("error", {}).get("refused"):
+                                self.frees[w].extend(self._outstanding[rids[w]][2])
+                        return replies
                     now = time.monotonic()
                     for w in waiting:
                         if not self.alive(w):

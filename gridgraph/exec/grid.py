@@ -14,6 +14,7 @@ import torch
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client import Client
+from gridgraph.exec.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import Worker
@@ -176,17 +177,30 @@ def check_sendable(t: object) -> None:
         raise GridError(f"tensors of dtype {t.dtype} cannot be sent")
 
 
-def local_grid(n: int = 3, *, memory_cap: int | dict[str, int] | None = None) -> Grid:
+def local_grid(
+    n: int = 3,
+    *,
+    memory_cap: int | dict[str, int] | None = None,
+    limits: Limits | None = None,
+    isolate: bool = False,
+) -> Grid:
     """A grid of `n` in-process workers named w0, w1, ... (the embedded default).
 
     `memory_cap`: bytes per worker (one number, or per worker name) that placement keeps
-    the tensors it creates on a worker under.
+    the tensors it creates on a worker under. `limits`: the budgets each worker grants each
+    client, as `gridgraph worker` does (default: none, since the grid serves only you):
+
+        gg.local_grid(2, limits=Limits(max_client_memory=1 << 30, max_request_seconds=10))
+
+    `isolate=True` runs each worker's programs in executor processes, as `gridgraph worker`
+    does (see exec/executor.py); by default they run in this process.
     """
     if type(n) is not int or n < 1:
         raise ValueError(f"a local grid needs at least one worker, got {n!r}")
+    limits = limits or Limits.unlimited()
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
-    workers = [Worker(name, bus.endpoint(name)) for name in names]
+    workers = [Worker(name, bus.endpoint(name), limits=limits, isolate=isolate) for name in names]
     client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
 
     def stop_workers() -> None:

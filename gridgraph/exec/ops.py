@@ -1,9 +1,15 @@
 """Which ATen ops a worker will run, and how it runs one call.
 
-A worker resolves an op by name (`aten::add.Tensor`) in the `aten` namespace only, after
-checking the name's shape, and refuses the few ATen ops that reach outside tensor math
-(files, raw storages, process state). Random ops draw from the worker's own generator, so
-`worker.manual_seed(s)` makes them repeatable without touching anyone else's random state.
+Threat model: any peer may name any op with any arguments. A worker resolves an op by name
+(`aten::add.Tensor`) only if it is on the allowlist (gridgraph/trace/allowlist.py: the op
+vocabulary of the graph, by category), so no private, unsafe, sparse-constructor, test or
+process-state op is callable. After each op, the worker checks its result with
+`check_view`: every element a result's (sizes, strides, storage offset) reaches lies inside
+its storage. Ops that return uninitialised memory (`empty_like`, ...) have their result
+zero-filled, so no client reads bytes another client freed.
+
+Random ops draw from the caller's own generator (`RandomState`), so `worker.manual_seed(s)`
+makes them repeatable without touching anyone else's random state.
 """
 
 from __future__ import annotations
@@ -11,24 +17,58 @@ from __future__ import annotations
 import re
 import threading
 from functools import cache
+from typing import Any
 
 import torch
 
-_NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
+from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
 
-# ATen ops that touch files, raw memory or global state rather than tensor values.
-DENIED = frozenset({
-    "from_file", "set_", "_set_", "data_ptr", "_cpu_cuda_kernel", "save", "load",
-    "_nested_tensor_from_mask", "_pin_memory", "pin_memory", "record_stream",
-    "_make_per_tensor_quantized_tensor", "_foobar", "_assert_async", "_print",
-    "lift_fresh", "_fused_sdp_choice",
-})  # fmt: skip
-# "_unsafe" ops skip bounds checks; _unsafe_view only skips autograd's view tracking.
-ALLOWED_UNSAFE = frozenset({"_unsafe_view"})
+_NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
 
 
 class OpRefused(ValueError):
     """An op name a worker will not run."""
+
+
+class ViewOutOfBounds(OpRefused):
+    """An op returned a tensor whose elements reach outside its storage."""
+
+
+def check_view(result: Any) -> None:
+    """Refuse any tensor in `result` (a tensor, or a tuple/list of them) that reaches outside
+    its storage: every element addressed by (sizes, strides, storage_offset) must lie inside
+    the storage's bytes, and no stride or offset may be negative.
+
+    The worker calls this after every op, before the result is stored or used: a view built
+    without a bounds check (`_reshape_alias` did this) would read or write memory that is
+    not the tensor's, such as another client's tensor.
+    """
+    if isinstance(result, torch.Tensor):
+        _check_bounds(result)
+    elif isinstance(result, (tuple, list)):
+        for r in result:
+            if isinstance(r, torch.Tensor):
+                _check_bounds(r)
+
+
+def _check_bounds(t: torch.Tensor) -> None:
+    if t.layout != torch.strided or t.device.type != "cpu":
+        raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
+    offset, sizes, strides = t.storage_offset(), t.shape, t.stride()
+    if offset < 0 or any(s < 0 for s in strides):
+        raise ViewOutOfBounds(
+            f"an op returned a view with negative strides {tuple(strides)} or offset {offset}"
+        )
+    if t.numel() == 0:
+        return
+    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
+    need = (last + 1) * t.element_size()
+    have = t.untyped_storage().nbytes()
+    if need > have:
+        raise ViewOutOfBounds(
+            f"an op returned a view of sizes {tuple(sizes)}, strides {tuple(strides)} and "
+            f"offset {offset} that needs {need} bytes of a storage of {have}"
+        )
 
 
 @cache
@@ -38,15 +78,17 @@ def resolve(name: str) -> torch._ops.OpOverload:
     if m is None:
         raise OpRefused(f"{name!r} is not an ATen op name")
     base, overload = m.group(1), m.group(2) or "default"
-    if base in DENIED or (base.startswith("_unsafe") and base not in ALLOWED_UNSAFE):
-        raise OpRefused(f"aten::{base} is not allowed on workers")
-    try:
-        op = getattr(getattr(torch.ops.aten, base), overload)
-    except (AttributeError, RuntimeError):
-        raise OpRefused(f"unknown ATen op {name!r}") from None
-    if not isinstance(op, torch._ops.OpOverload):
-        raise OpRefused(f"{name!r} is not an op overload")
-    return op
+    canonical = f"aten::{base}" + ("" if overload == "default" else f".{overload}")
+    if canonical not in ALLOWED:
+        raise OpRefused(
+            f"{canonical} is not on the workers' op allowlist (gridgraph/trace/allowlist.py)"
+        )
+    return getattr(getattr(torch.ops.aten, base), overload)
+
+
+@cache
+def _uninitialized(op: torch._ops.OpOverload) -> bool:
+    return op._schema.name.removeprefix("aten::") in UNINITIALIZED
 
 
 @cache
@@ -68,7 +110,11 @@ class RandomState:
     def manual_seed(self, seed: int) -> None:
         self.state = torch.Generator().manual_seed(seed).get_state()
 
-    def call(self, op: torch._ops.OpOverload, args: list, kwargs: dict):
+    def call(self, op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
+        """Run one resolved op: seeded ops draw from this stream; an uninitialised result is
+        zero-filled."""
+        if _uninitialized(op):
+            return op(*args, **kwargs).zero_()
         if not _seeded(op):
             return op(*args, **kwargs)
         with _global_rng:

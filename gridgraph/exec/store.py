@@ -1,7 +1,8 @@
-"""ObjectStore: the tensors a worker holds, keyed by (client, value id).
+"""ObjectStore: the tensors one client session holds on a worker, by value id.
 
-A value belongs to the client that created it; a client can only name its own ids, so one
-client can never read, use or free another's tensors.
+Each session has a store of its own (see session.py), so a client can only ever name its own
+tensors: no id it sends can reach another client's. The store counts the bytes of the
+distinct storages it holds as tensors come and go, so a memory check costs nothing.
 """
 
 from __future__ import annotations
@@ -10,43 +11,61 @@ import torch
 
 
 class ObjectStore:
-    """Tensors by (client identity, value id)."""
+    """Tensors by value id, and the bytes of the distinct storages behind them."""
 
     def __init__(self) -> None:
-        self._objects: dict[tuple[str, int], torch.Tensor] = {}
+        self._objects: dict[int, torch.Tensor] = {}
+        self._storages: dict[int, list[int]] = {}  # storage address -> [nbytes, references]
+        self.stored_bytes = 0
 
-    def put(self, client: str, vid: int, tensor: torch.Tensor) -> None:
-        self._objects[(client, vid)] = tensor
+    def put(self, vid: int, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):  # a bug upstream; never store anything else
+            raise TypeError(f"only tensors are stored, not {type(tensor).__name__}")
+        self.free(vid)
+        storage = tensor.untyped_storage()
+        entry = self._storages.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.stored_bytes += entry[0]
+        entry[1] += 1
+        self._objects[vid] = tensor
 
-    def get(self, client: str, vid: int) -> torch.Tensor:
+    def get(self, vid: int) -> torch.Tensor:
         try:
-            return self._objects[(client, vid)]
+            return self._objects[vid]
         except KeyError:
             raise KeyError(f"value %{vid} is not stored here (freed, or never sent)") from None
 
-    def has(self, client: str, vid: int) -> bool:
-        return (client, vid) in self._objects
+    def has(self, vid: int) -> bool:
+        return vid in self._objects
 
-    def free(self, client: str, vid: int) -> None:
-        self._objects.pop((client, vid), None)
+    def free(self, vid: int) -> None:
+        tensor = self._objects.pop(vid, None)
+        if tensor is None:
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        entry = self._storages[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.stored_bytes -= entry[0]
+            del self._storages[ptr]
 
-    def free_client(self, client: str) -> int:
-        """Drop every tensor of `client`; returns how many."""
-        mine = [k for k in self._objects if k[0] == client]
-        for k in mine:
-            del self._objects[k]
-        return len(mine)
+    def bytes_freed_by(self, vids: list[int]) -> int:
+        """Bytes that freeing `vids` would release (storages no other value shares)."""
+        dropped: dict[int, int] = {}
+        for vid in set(vids):
+            tensor = self._objects.get(vid)
+            if tensor is not None:
+                ptr = tensor.untyped_storage().data_ptr()
+                dropped[ptr] = dropped.get(ptr, 0) + 1
+        return sum(self._storages[p][0] for p, n in dropped.items() if n == self._storages[p][1])
 
-    def clients(self) -> set[str]:
-        return {c for c, _ in self._objects}
+    def clear(self) -> int:
+        """Drop every tensor; returns how many."""
+        n = len(self._objects)
+        self._objects.clear()
+        self._storages.clear()
+        self.stored_bytes = 0
+        return n
 
     def __len__(self) -> int:
         return len(self._objects)
-
-    def stored_bytes(self) -> int:
-        """Bytes of distinct storages held (views of one tensor count once)."""
-        seen: dict[int, int] = {}
-        for t in self._objects.values():
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-        return sum(seen.values())

@@ -15,11 +15,23 @@ extension type that decodes to a plain value from a fixed table:
     1 Slot(k)      2 Param(k)     3 tensor      4 dtype     5 device ("cpu" only)
     6 memory format / layout      7 complex
 
-The receiver checks that each tensor's byte count matches its shape and dtype and lies
-inside the data region before building it. Kernels need tensors aligned for their dtype (a
-misaligned complex128 crashes some): offsets are aligned within the message, and a tensor
-whose address is still misaligned (the buffer itself was, as a slice of a network read can
-be) is copied into fresh memory rather than viewed.
+Nothing received is trusted. The receiver refuses (with `WireError`, before anything uses
+the message):
+- a message longer than `max_bytes` (the caller's limit: the worker passes its
+  `max_message_bytes`), whose header is longer than MAX_HEADER_BYTES, or that holds more
+  than MAX_TENSORS tensors. Decoding allocates Python objects for the header: an empty map
+  is 1 byte on the wire and about 70 in memory, a tensor 14 and about 1,000, so these two
+  caps are what bound a message's memory growth at decode (a 7 MB header of tensors over
+  the same bytes grew a worker by 551 MB);
+- a tensor whose byte count does not match its shape and dtype, that lies outside the data
+  region, or whose offset is not 64-byte aligned;
+- two tensors over the same bytes (an in-place write to one would change the other);
+- a bool tensor with a byte other than 0 or 1 (kernels assume one or the other).
+
+Kernels need tensors aligned for their dtype (a misaligned complex128 crashes some): offsets
+are 64-byte aligned within the message, and when the buffer itself is not aligned for the
+largest dtype (as a slice of a network read can be) the data region is copied once into
+fresh, aligned memory rather than viewed.
 """
 
 from __future__ import annotations
@@ -59,6 +71,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _ALIGN = 64
+MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
+MAX_TENSORS = 1 << 14
+_MAX_ITEMSIZE = max(d.itemsize for d in DTYPES.values())
 
 
 class _Encoder:
@@ -87,34 +102,65 @@ class _Encoder:
         return _default(obj)
 
 
-def _unpack_tensor(obj: Any, data: memoryview) -> torch.Tensor:
-    try:
-        name, shape, offset, nbytes = obj
-    except (TypeError, ValueError):
-        raise WireError("a tensor must be [dtype, shape, offset, nbytes]") from None
-    dtype = DTYPES.get(name)
-    if dtype is None:
-        raise WireError(f"unknown dtype {name!r}")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-        raise WireError(f"bad shape {shape!r}")
-    if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
-        raise WireError("bad tensor offset or size")
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel * dtype.itemsize != nbytes:
-        raise WireError(
-            f"tensor of shape {shape} and dtype {name} needs {numel * dtype.itemsize} bytes, "
-            f"got {nbytes}"
-        )
-    if offset + nbytes > len(data):
-        raise WireError("tensor data lies outside the message")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=offset)
-    if tensor.data_ptr() % dtype.itemsize:  # a misaligned buffer: never hand it to a kernel
-        tensor = tensor.clone()
-    return tensor.reshape(shape)
+class _Decoder:
+    """Builds the tensors of one message as views of its data region, and checks them."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.regions: list[tuple[int, int]] = []  # (offset, end) of each non-empty tensor
+
+    def tensor(self, obj: Any) -> torch.Tensor:
+        try:
+            name, shape, offset, nbytes = obj
+        except (TypeError, ValueError):
+            raise WireError("a tensor must be [dtype, shape, offset, nbytes]") from None
+        if len(self.regions) >= MAX_TENSORS:
+            raise WireError(f"a message holds at most {MAX_TENSORS} tensors")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise WireError(f"unknown dtype {name!r}")
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise WireError(f"bad shape {shape!r}")
+        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
+            raise WireError("bad tensor offset or size")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel * dtype.itemsize != nbytes:
+            raise WireError(
+                f"tensor of shape {shape} and dtype {name} needs {numel * dtype.itemsize} "
+                f"bytes, got {nbytes}"
+            )
+        if offset + nbytes > len(self.data):
+            raise WireError("tensor data lies outside the message")
+        if offset % _ALIGN:
+            raise WireError(f"tensor data at offset {offset} is not {_ALIGN}-byte aligned")
+        self.regions.append((offset, offset + nbytes))
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        tensor = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
+        if dtype == torch.bool and tensor.view(torch.uint8).max() > 1:
+            raise WireError("a bool tensor holds a byte other than 0 and 1")
+        return tensor.reshape(shape)
+
+    def check_disjoint(self) -> None:
+        """No two tensors share a byte."""
+        regions = sorted(r for r in self.regions if r[0] < r[1])
+        for (_, end), (start, _) in zip(regions, regions[1:]):
+            if start < end:
+                raise WireError("two tensors of the message overlap")
+
+
+def _aligned(data: memoryview) -> memoryview:
+    """`data`, copied once into fresh aligned memory if it is misaligned for any dtype."""
+    if not len(data):
+        return data
+    address = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    if address % _MAX_ITEMSIZE == 0:
+        return data
+    fresh = torch.empty(len(data), dtype=torch.uint8)  # torch allocates 64-byte aligned
+    fresh.copy_(torch.frombuffer(data, dtype=torch.uint8))
+    return memoryview(fresh.numpy())
 
 
 def _default(obj: Any) -> Any:
@@ -123,7 +169,10 @@ def _default(obj: Any) -> Any:
     if type(obj) is Param:
         return msgpack.ExtType(2, msgpack.packb(obj.index))
     if isinstance(obj, torch.dtype):
-        return msgpack.ExtType(4, str(obj).removeprefix("torch.").encode())
+        name = str(obj).removeprefix("torch.")
+        if name not in DTYPES:  # the receiver would drop the whole message
+            raise WireError(f"dtype {obj} cannot be sent (workers take {', '.join(DTYPES)})")
+        return msgpack.ExtType(4, name.encode())
     if isinstance(obj, torch.device):
         return msgpack.ExtType(5, obj.type.encode())
     if isinstance(obj, (torch.memory_format, torch.layout)):
@@ -173,23 +222,27 @@ def encode(message: dict) -> bytearray:
     return bytearray().join([len(header).to_bytes(4, "little"), header, pad, *enc.chunks])
 
 
-def decode(payload: bytes | bytearray) -> dict:
-    """A buffer back into a message; raises WireError for anything malformed.
+def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
+    """A buffer back into a message; raises WireError for anything malformed or too large.
 
     Tensors are views of the buffer: pass a bytearray (as `encode` makes) to avoid a copy.
     """
+    if max_bytes is not None and len(payload) > max_bytes:
+        raise WireError(f"message of {len(payload)} bytes is over the limit of {max_bytes}")
     if len(payload) < 4:
         raise WireError("message too short")
     n = int.from_bytes(payload[:4], "little")
+    if n > MAX_HEADER_BYTES:
+        raise WireError(f"message header of {n} bytes is over the limit of {MAX_HEADER_BYTES}")
     if 4 + n > len(payload):
         raise WireError("message header is truncated")
     if not isinstance(payload, bytearray) and len(payload) > 4 + n:
         payload = bytearray(payload)  # tensors need a writable buffer
-    data = memoryview(payload)[4 + n + -(4 + n) % _ALIGN :]
+    decoder = _Decoder(_aligned(memoryview(payload)[4 + n + -(4 + n) % _ALIGN :]))
 
     def ext_hook(code: int, ext: bytes) -> Any:
         if code == 3:
-            return _unpack_tensor(msgpack.unpackb(ext), data)
+            return decoder.tensor(msgpack.unpackb(ext))
         return _ext_hook(code, ext)
 
     try:
@@ -200,6 +253,7 @@ def decode(payload: bytes | bytearray) -> dict:
         raise
     except Exception as e:  # msgpack raises several unrelated types for garbage
         raise WireError(f"undecodable message: {e}") from None
+    decoder.check_disjoint()
     if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
         raise WireError("a message must be a map with a 'kind'")
     return msg

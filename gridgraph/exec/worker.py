@@ -1,64 +1,73 @@
-"""The worker runtime: receives programs, runs them on its ObjectStore, replies.
+"""The worker runtime: receives requests, runs each client's programs, replies.
 
-State, all owned by the worker:
-    store      tensors by (client, value id)
-    inbox      values other workers sent for a run, by (client, run, value id)
-    replies    the last replies sent, by request id, so a retried request is answered again
-               and never run twice
-    rng        its own random stream
+Threat model: a worker on an open grid serves peers it has never met, and any peer can send
+it anything. So every message is hostile until checked, and nothing one client sends may
+read or change another client's data, crash the worker, or stall other clients.
 
-Threads: the transport calls `on_message` (which only decodes and enqueues); one execution
-thread takes requests in order and runs them. `recv` steps wait on the inbox, which the
-transport fills directly, so a worker blocked in a recv still receives.
+State:
+    sessions   client key -> Session (session.py): everything kept for one client. A client
+               is the authenticated sender (`sender`, the transport's identity) plus the
+               session id it chose; each peer may hold `limits.sessions_per_peer` of them
+               (a new one beyond that evicts the peer's own least recently seen idle one)
+    rate       a token bucket per peer (limits.py)
 
-Every request is checked before anything runs: an undecodable, unknown or refused message
-gets an error reply when it names a reply topic, is logged, and changes nothing.
+Policy:
+    - The transport's thread only decodes, checks and enqueues (`on_message`); it never
+      blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
+    - Each session's requests run one at a time in arrival order on a thread of its own, so
+      one client's long program, or a `recv` that waits, delays no other client. With
+      `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
+      executor process (executor.py): a crash, OOM kill or time-out there ends that session
+      only, and every later request of it gets an error naming the cause.
+    - Exactly once: a request id runs at most once per session (the session's records).
+      A resend of a request that is queued or running is ignored; one that already has its
+      reply gets that reply again. Every accepted request gets exactly one reply: an error
+      reply if anything fails, including encoding the reply itself.
+    - A refused request changes nothing, not even its `free` list: frees apply only once the
+      request was accepted and served. A request over the peer's rate, the session's memory
+      or time limit is refused with an error naming the limit (limits.py).
+    - A malformed request gets an error reply when it names a reply topic and an id.
+    - Transfers from other workers are accepted only from the worker they name (checked
+      against `peer_identity`, which must not block) into the inbox of the session they
+      name, counted against that session's memory.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
-import traceback
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from gridgraph.exec import wire
-from gridgraph.exec.ops import OpRefused, RandomState, resolve
-from gridgraph.exec.store import ObjectStore
+from gridgraph.exec import executor, wire
+from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter
+from gridgraph.exec.session import (
+    RESEND_AFTER,
+    RequestError,
+    Session,
+    UpstreamFailed,
+    answer,
+    encode_reply,
+    error_body,
+)
 from gridgraph.exec.transport import Transport
-from gridgraph.schedule.plan import Param, Slot, call_refs
 
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
-PROGRAMS_KEPT = 64  # compiled programs a worker keeps per grid, least recently used dropped
-# ipfs: PubSub drops messages (Kubo validates a peer's messages concurrently and ignores any
-# whose seqno is below one already seen): a recv waiting this long asks the sender to resend.
-RESEND_AFTER = 0.5
-TRANSFERS_KEPT = 1024  # ipfs: recent transfers kept for resending, and received ones for dedup
+REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
 def worker_topic(name: str) -> str:
     return f"gridgraph.worker.{name}"
 
 
-class RequestError(Exception):
-    """A request that cannot be served; its message goes back to the sender."""
-
-    def __init__(self, message: str, code: str = "refused") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class UpstreamFailed(Exception):
-    """A value this worker waited for was never computed because its producer failed."""
+def client_topic(identity: str, session: str) -> str:
+    """Where a client session hears its replies: workers reply there and nowhere else."""
+    return f"gridgraph.client.{identity}.{session}"
 
 
 class Worker:
@@ -69,469 +78,360 @@ class Worker:
         name: str,
         transport: Transport,
         *,
+        limits: Limits | None = None,
+        isolate: bool = False,
         recv_timeout: float = 120.0,
         peer_identity: Callable[[str], str | None] | None = None,
         peer_alive: Callable[[str], bool] = lambda name: True,
     ) -> None:
         self.name = name
         self.transport = transport
-        self.store = ObjectStore()
-        self.rng = RandomState()
+        self.limits = limits or Limits()
+        # Run each session's programs in an executor process of its own (executor.py).
+        self.isolate = isolate
+        if isolate:
+            threading.Thread(target=executor.prewarm, daemon=True).start()
         self.recv_timeout = recv_timeout
-        # Maps a worker name to its transport identity, to check who sent a transfer.
+        # Maps a worker name to its transport identity, to check who sent a transfer. It is
+        # called on the transport's thread, so it must answer at once (None: unknown yet).
         self.peer_identity = peer_identity or (lambda n: n)
         # Whether another worker still answers (heartbeats on IPFS): a recv from a dead one
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
-        self.ops_run = 0
-        self._inbox: dict[tuple[str, int, int, str], Any] = {}  # (client, run, value, src)
-        self._inbox_cv = threading.Condition()
-        self._aborted: set[tuple[str, Any]] = set()  # (client, run) the client gave up on
-        self._sent: OrderedDict[tuple, bytes] = OrderedDict()  # ipfs: (client, run, value, dst)
-        self._received: OrderedDict[tuple, None] = OrderedDict()  # ipfs: consumed inbox keys
-        self._queue: queue.Queue = queue.Queue()
-        # ipfs: with the time each reply went out (-inf until it did)
-        self._replies: OrderedDict[tuple[str, str], tuple[bytes, float]] = OrderedDict()
-        self._programs: OrderedDict[tuple[str, int], _Program] = OrderedDict()
-        self._last_seen: dict[str, float] = {}  # client identity -> time of last request
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()  # guards sessions
+        self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
+        # Publications decided on the transport's thread go out from this one thread.
+        self._outbox: queue.Queue = queue.Queue()
         self._closed = False
-        self._handlers = {
-            "put": self._put,
-            "run": self._run,
-            "free": lambda client, msg: {},  # _serve frees the ids every request carries
-            "stats": self._stats,
-            "seed": self._seed,
-            "bye": self._bye,
-            "ping": lambda client, msg: {},
-        }
+        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
+        self._sender.start()
         transport.subscribe(worker_topic(name), self.on_message)
-        self._thread = threading.Thread(target=self._loop, name=f"worker-{name}", daemon=True)
-        self._thread.start()
 
-    # --- receiving -------------------------------------------------------------------------
+    # --- receiving (the transport's thread: check, enqueue, never block) -------------------
 
     def on_message(self, sender: str, payload: bytes) -> None:
+        if len(payload) > self.limits.max_message_bytes:
+            log.warning("%s: dropped a %d-byte message from %s, over the limit of %d",
+                        self.name, len(payload), sender, self.limits.max_message_bytes)  # fmt: skip
+            return
         try:
             msg = wire.decode(payload)
         except wire.WireError as e:
             log.warning("%s: dropped a malformed message from %s: %s", self.name, sender, e)
             return
-        kind = msg["kind"]
-        if kind == "transfer":
-            self._accept_transfer(sender, msg)
-        elif kind == "resend":  # ipfs: a receiver missed a transfer
-            self._resend(sender, msg)
-        elif kind == "abort":  # handled here: the execution thread may be blocked in a recv
-            with self._inbox_cv:
-                self._aborted.add((_client_key(sender, msg), msg.get("run")))
-                self._inbox_cv.notify_all()
-        elif msg.get("reply_to") != f"gridgraph.client.{sender}.{msg.get('session')}":
-            log.warning("%s: dropped a request whose reply_to is not its sender's", self.name)
-        else:
-            client, now = _client_key(sender, msg), time.monotonic()
-            # Seen now, not when served: a request queued behind a long run keeps the lease.
-            self._last_seen[client] = now
-            self._queue.put((client, msg, now))  # ipfs: arrival
-
-    def _accept_transfer(self, sender: str, msg: dict) -> None:
         try:
-            src = str(msg["src"])
-            key = (str(msg["client"]), int(msg["run"]), int(msg["value"]), src)
-        except (KeyError, TypeError, ValueError):
-            log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
-            return
-        if self.peer_identity(src) != sender:
-            log.warning("%s: dropped a transfer claiming to come from %s", self.name, src)
-            return
-        with self._inbox_cv:
-            if key in self._received:  # ipfs: a resent copy of a transfer already used
-                return
-            self._inbox[key] = msg.get("tensor") if msg.get("error") is None else msg
-            self._inbox_cv.notify_all()
+            kind = msg["kind"]
+            if kind == "transfer":
+                self._accept_transfer(sender, msg, payload)
+            elif kind == "resend":  # ipfs: a receiver missed a transfer
+                self._resend(sender, msg)
+            elif kind == "abort":  # the session's thread may be blocked in a recv
+                session = self._session(_client_key(sender, msg), sender, create=False)
+                if session is not None:
+                    session.abort(msg.get("run"))
+            else:
+                self._accept_request(sender, msg, payload)
+        except Exception:  # a bug must not take the transport's thread down
+            log.exception("%s: failed to accept a message from %s", self.name, sender)
 
-    def _transfer(self, dst: str, msg: dict) -> None:
-        """Send a transfer and keep it a while, in case the receiver asks again. # ipfs:"""
-        payload = wire.encode(msg)
-        self._sent[(msg["client"], msg["run"], msg["value"], dst)] = payload
-        while len(self._sent) > TRANSFERS_KEPT:
-            self._sent.popitem(last=False)
-        self.transport.publish(worker_topic(dst), payload)
-
-    def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
-        key = (msg.get("client"), msg.get("run"), msg.get("value"), msg.get("dst"))
-        try:
-            kept = self._sent.get(key)
-        except TypeError:  # an unhashable field: not a request we sent
-            return
-        if kept is not None and self.peer_identity(str(key[3])) == sender:
-            self.transport.publish(worker_topic(key[3]), kept, counted=False)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            sender, msg, arrived = item
-            try:
-                self._serve(sender, msg, arrived)
-            except Exception:  # a bug must not take the worker down
-                log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
-
-    def _serve(self, client: str, msg: dict, arrived: float = math.inf) -> None:
-        rid = msg.get("id")
-        reply_to = msg.get("reply_to")
+    def _accept_request(self, sender: str, msg: dict, payload: bytes) -> None:
+        rid, reply_to = msg.get("id"), msg.get("reply_to")
         if not isinstance(reply_to, str) or not isinstance(rid, str):
             log.warning("%s: dropped a %r request without id or reply_to", self.name, msg["kind"])
             return
-        cached = self._replies.get((client, rid))
-        if cached is not None:  # a retry: answer again, never run twice
-            reply, sent_at = cached
-            # ipfs: a copy that came before the reply went out needs no other answer; only
-            # later ones mean the reply was lost (so clients can retry often, at no cost)
-            if arrived > sent_at:
-                self.transport.publish(reply_to, reply, counted=False)  # ipfs: a recovery
+        if reply_to != client_topic(sender, msg.get("session")):
+            # Replies go only to the sender's own topic, never where a requester points them.
+            log.warning("%s: dropped a request whose reply_to is not its sender's", self.name)
             return
-        handler = self._handlers.get(msg["kind"])
+        arrived = time.monotonic()
+        key = _client_key(sender, msg)
         try:
-            if handler is None:
-                raise RequestError(f"unknown request kind {msg['kind']!r}")
-            self._free_ids(client, msg.get("free", []))
-            body = {"ok": True, **handler(client, msg)}
-        except (RequestError, wire.WireError, OpRefused) as e:
-            log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], client, e)
-            code = getattr(e, "code", "refused")
-            body = {"ok": False, "error": {"worker": self.name, "message": str(e), "code": code}}
-        reply = wire.encode({"kind": "reply", "re": rid, "worker": self.name, **body})
-        self._replies[(client, rid)] = (reply, -math.inf)
-        while len(self._replies) > 256:
-            self._replies.popitem(last=False)
-        self.transport.publish(reply_to, reply, counted=msg["kind"] != "stats")
-        self._replies[(client, rid)] = (reply, time.monotonic())  # ipfs: it went out
+            session = self._session(key, sender, create=msg["kind"] != "bye")
+        except (RequestError, LimitExceeded) as e:
+            self._refuse(reply_to, rid, e)
+            return
+        if session is None:  # a bye for a session that is gone: nothing left to free
+            self._outbox.put((reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0})))
+            return
+        with session.cv:
+            session.last_seen = arrived  # seen now, not when served: a queued request keeps
+            rec = session.records.get(rid)  # the lease
+            if rec is not None:  # a resend: never run twice
+                if rec.reply is not None and arrived > rec.sent_at:  # the reply was lost
+                    self._outbox.put((reply_to, rec.reply))
+                elif rec.reply is None and rec.sent_at < arrived:
+                    error = RequestError("request already served; its reply is no longer kept",
+                                         "already-served")  # fmt: skip
+                    self._refuse(reply_to, rid, error)
+                return
+            if msg["kind"] not in REQUEST_KINDS:
+                error = RequestError(f"unknown request kind {msg['kind']!r}")
+            elif not self._rate.allow(sender):
+                error = LimitExceeded(
+                    f"over the rate limit of {self.limits.requests_per_second:g} requests a "
+                    f"second per peer (requests_per_second)"
+                )
+            else:
+                error = None
+            rec = session.record(rid)  # a refusal is an answer too: recorded like one
+            if error is not None:
+                log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], key,
+                            error)  # fmt: skip
+                reply = self._error_reply(rid, error)
+                session.replied(rec, reply)
+                rec.sent_at = arrived
+                self._outbox.put((reply_to, reply))
+                return
+            session.queue.append((msg, arrived, payload))
+            if session.busy:
+                return
+            session.busy = True
+        threading.Thread(
+            target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
+        ).start()
 
-    # --- requests --------------------------------------------------------------------------
+    def _session(self, key: str, peer: str, create: bool) -> Session | None:
+        with self._lock:
+            session = self.sessions.get(key)
+            if session is not None or not create:
+                return session
+            theirs = [s for s in self.sessions.values() if s.peer == peer]
+            if len(theirs) >= self.limits.sessions_per_peer:
+                idle = [s for s in theirs if not s.busy]
+                if not idle:
+                    raise LimitExceeded(
+                        f"this peer already runs {len(theirs)} sessions here (sessions_per_peer)"
+                    )
+                oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
+                del self.sessions[oldest.key]
+                log.info("%s: client %s evicted: its peer opened a session over its %d",
+                         self.name, oldest.key, self.limits.sessions_per_peer)  # fmt: skip
+                oldest.close()
+            session = self.sessions[key] = Session(key, peer)
+            return session
 
-    def _put(self, client: str, msg: dict) -> dict:
-        values = _list(msg, "values")
-        checked = []
-        for item in values:
-            if not (
-                isinstance(item, list)
-                and len(item) == 2
-                and type(item[0]) is int
-                and isinstance(item[1], torch.Tensor)
-            ):
-                raise RequestError("put values must be [value id, tensor] pairs")
-            checked.append(item)
-        for vid, tensor in checked:
-            self.store.put(client, vid, tensor)
-        return {}
+    def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
+        try:
+            key = (int(msg["run"]), int(msg["value"]), str(msg["src"]))
+            client = str(msg["client"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
+            return
+        if self.peer_identity(key[2]) != sender:
+            log.warning("%s: dropped a transfer claiming to come from %s", self.name, key[2])
+            return
+        session = self._session(client, client.split("/", 1)[0], create=False)
+        if session is None:
+            session = self._transfer_session(client)
+            if session is None:
+                return
+        if msg.get("error") is None and not isinstance(msg.get("tensor"), torch.Tensor):
+            msg = {"error": "a transfer must carry a tensor or an error"}
+            payload = b""
+        cap = self.limits.max_client_memory
+        if cap is not None and session.memory() + len(payload) > cap:
+            msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
+            payload = b""
+        if not payload:  # an error in place of the transfer: what an executor is sent
+            msg = {"kind": "transfer", **msg}
+            payload = wire.encode(msg)
+        session.deliver(key, msg, payload)
 
-    def _free_ids(self, client: str, ids: Any) -> None:
-        if not isinstance(ids, list) or not all(type(v) is int for v in ids):
-            raise RequestError("'free' must be a list of value ids")
-        for vid in ids:
-            self.store.free(client, vid)
+    def _transfer_session(self, client: str) -> Session | None:
+        """The session a transfer names, created if its peer may hold one more."""
+        try:
+            return self._session(client, client.split("/", 1)[0], create=True)
+        except (RequestError, LimitExceeded) as e:
+            log.warning("%s: dropped a transfer for %s: %s", self.name, client, e)
+            return None
 
-    def _seed(self, client: str, msg: dict) -> dict:
-        seed = msg.get("seed")
-        if type(seed) is not int:
-            raise RequestError("seed must be an int")
-        self.rng.manual_seed(seed)
-        return {}
+    def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
+        try:
+            key = (int(msg["run"]), int(msg["value"]), str(msg["dst"]))
+            client = str(msg["client"])
+        except (KeyError, TypeError, ValueError):
+            return
+        session = self._session(client, "", create=False)
+        kept = session.sent.get(key) if session is not None else None
+        if kept is not None and self.peer_identity(key[2]) == sender:
+            self._outbox.put((worker_topic(key[2]), kept))
 
-    def _stats(self, client: str, msg: dict) -> dict:
-        sent = self.transport.sent
-        out = {
-            "objects": len(self.store),
-            "stored_bytes": self.store.stored_bytes(),
-            "ops_run": self.ops_run,
-            "messages": sent.messages,
-            "bytes": sent.bytes,
-        }
-        if msg.get("reset"):
-            sent.reset()
-            self.ops_run = 0
-        return out
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            topic, payload = item
+            try:
+                self.transport.publish(topic, payload, counted=False)  # ipfs: a recovery
+            except Exception as e:
+                log.warning("%s: could not send to %s: %s", self.name, topic, e)
 
-    def _bye(self, client: str, msg: dict) -> dict:
-        n = self._forget_client(client)
-        return {"freed": n}
+    # --- serving (one thread per busy session) ---------------------------------------------
 
-    def _forget_client(self, client: str) -> int:
-        for key in [k for k in self._programs if k[0] == client]:
-            del self._programs[key]
-        n = self.store.free_client(client)
-        self._last_seen.pop(client, None)
-        log.info("%s: client %s left, freed %d tensors", self.name, client, n)
+    def _drain(self, session: Session) -> None:
+        while True:
+            with session.cv:
+                if not session.queue or session.closed:
+                    session.busy = False
+                    return
+                msg, arrived, payload = session.queue.popleft()
+            try:
+                self._serve(session, msg, payload)
+            except Exception:  # a bug must not take the worker down
+                log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
+
+    def _serve(self, session: Session, msg: dict, payload: bytes) -> None:
+        rid, kind = msg["id"], msg["kind"]
+        if kind == "bye":
+            freed = 0
+            if session.executor is not None and session.executor.lost is None:
+                try:  # the executor holds the tensors: it counts them
+                    done = wire.decode(session.executor.request(payload, 0, self, session))
+                    freed = int(done.get("freed", 0))
+                except (executor.ExecutorLost, wire.WireError, ValueError, TypeError):
+                    pass
+            freed += self._forget(session)
+            log.info("%s: client %s freed %d tensors", self.name, session.key, freed)
+            reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
+            self._publish(session, msg["reply_to"], reply, counted=True)
+            return
+        if not self.isolate or session.executor is None and kind in ("ping", "free", "stats"):
+            # (before its executor starts, a session holds nothing: these need none)
+            reply = answer(self, session, msg, len(payload))
+        else:
+            try:
+                if session.executor is None:
+                    session.executor = executor.Executor(
+                        self.name, session.key, self.limits, self.recv_timeout
+                    )
+                held = session.memory() - session.elsewhere
+                reply = session.executor.request(payload, held, self, session)
+            except executor.ExecutorLost as e:
+                lost = executor.ExecutorLost(
+                    f"this client's session on worker {self.name} was lost: its executor "
+                    f"process ended because {e}; the tensors it held here are gone"
+                )
+                reply = encode_reply(self.name, rid, error_body(self.name, lost))
+        if kind == "stats":  # the traffic is counted here, whatever runs the programs
+            reply = self._with_traffic(session, rid, reply, bool(msg.get("reset")))
+        with session.cv:
+            rec = session.records.get(rid)
+            if rec is not None:
+                session.replied(rec, reply)
+        self._publish(session, msg["reply_to"], reply, counted=kind != "stats")
+        if rec is not None:
+            rec.sent_at = time.monotonic()
+
+    def _with_traffic(self, session: Session, rid: str, reply: bytes, reset: bool) -> bytes:
+        body = wire.decode(reply)
+        if body.get("ok"):
+            body.update(messages=session.traffic.messages, bytes=session.traffic.bytes)
+            if reset:
+                session.traffic.reset()
+        return wire.encode(body)
+
+    def _error_reply(self, rid: str, error: Exception) -> bytes:
+        return encode_reply(self.name, rid, error_body(self.name, error))
+
+    def _refuse(self, reply_to: str, rid: str, error: Exception) -> None:
+        """An error reply decided on the transport's thread (nothing recorded, nothing run)."""
+        log.warning("%s: refused request %s: %s", self.name, rid, error)
+        self._outbox.put((reply_to, self._error_reply(rid, error)))
+
+    def _publish(self, session: Session, topic: str, payload: bytes, counted: bool) -> None:
+        if counted:
+            session.traffic.add(len(payload))
+        try:
+            self.transport.publish(topic, payload, counted)
+        except Exception as e:  # the transport is closing, or the node is down
+            log.warning("%s: could not send to %s: %s", self.name, topic, e)
+
+    # --- sessions ending ------------------------------------------------------------------
+
+    def _forget(self, session: Session) -> int:
+        with self._lock:
+            if self.sessions.get(session.key) is session:
+                del self.sessions[session.key]
+        n = session.close()
+        log.info("%s: client %s left", self.name, session.key)
         return n
 
     def expire_clients(self, lease: float) -> None:
-        """Free the tensors of clients silent for longer than `lease` seconds."""
+        """Free everything of clients silent for longer than `lease` seconds."""
         now = time.monotonic()
-        for client in self.store.clients():
-            seen = self._last_seen.setdefault(client, now)
-            if now - seen > lease:
-                log.info("%s: lease of client %s expired", self.name, client)
-                self._forget_client(client)
+        with self._lock:
+            silent = [s for s in self.sessions.values() if now - s.last_seen > lease]
+        for session in silent:
+            if not session.busy:
+                log.info("%s: lease of client %s expired", self.name, session.key)
+                with self._lock:
+                    self.sessions.pop(session.key, None)
+                session.close()
 
-    # --- running a program -----------------------------------------------------------------
+    # --- transfers between workers (called by Run) -----------------------------------------
 
-    def _run(self, client: str, msg: dict) -> dict:
-        run, plan_id, slots = msg.get("run"), msg.get("plan"), msg.get("slots")
-        params = msg.get("params")
-        if type(run) is not int or type(plan_id) is not int or not isinstance(slots, list):
-            raise RequestError("a run needs 'run', 'plan' and 'slots'")
-        if not all(type(v) is int for v in slots):
-            raise RequestError("slots must be value ids")
-        if not isinstance(params, list) or not all(
-            isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
-        ):
-            raise RequestError("params must be [index, value] pairs")
-        params = dict(params)
-        if "program" in msg:
-            self._programs[(client, plan_id)] = _Program(msg["program"], len(slots))
-            while len(self._programs) > PROGRAMS_KEPT:
-                self._programs.popitem(last=False)
-        program = self._programs.get((client, plan_id))
-        if program is None:
-            raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
-        self._programs.move_to_end((client, plan_id))
-        if len(slots) != program.n_slots or not program.params <= params.keys():
-            raise RequestError(f"run of plan {plan_id} does not fit its program")
-        return _Run(self, client, run, slots, params).execute(program.steps)
+    def transfer(self, session: Session, dst: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst` (see session.Host)."""
+        self.publish_transfer(session, dst, (msg["run"], msg["value"]), wire.encode(msg))
 
-    def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
-        self.transport.close()
-        self._thread.join(timeout=5)
+    def publish_transfer(
+        self, session: Session, dst: str, run_value: tuple[int, int], payload: bytes
+    ) -> None:
+        """Send a transfer and keep it a while, in case the receiver asks again. # ipfs:"""
+        session.keep_sent((*run_value, dst), payload)
+        self._publish(session, worker_topic(dst), payload, counted=True)
 
+    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+        """The transfer `key` = (run, value id, sending worker) for `session` (see Host)."""
+        return self.wait_transfer(session, key, deadline)[0]
 
-class _Program:
-    """A checked program: every step well-formed, every slot and parameter in range."""
-
-    def __init__(self, stages: Any, n_slots: int) -> None:
-        if not isinstance(stages, list) or not all(isinstance(st, list) for st in stages):
-            raise RequestError("a program is a list of stages, each a list of steps")
-        self.steps = [step for stage in stages for step in stage]
-        self.n_slots = n_slots
-        self.params: set[int] = set()
-        for step in self.steps:
-            _check_step(step, n_slots, self.params)
-
-
-class _Run:
-    """One program's execution on one worker."""
-
-    def __init__(self, worker: Worker, client: str, run: int, slots: list, params: list):
-        self.w = worker
-        self.client = client
-        self.run = run
-        self.slots = slots
-        self.params = params
-        self.created: list[int] = []  # value ids this run stored, undone on failure
-
-    def value(self, slot: int) -> torch.Tensor:
-        return self.w.store.get(self.client, self.slots[slot])
-
-    def arg(self, a: Any) -> Any:
-        t = type(a)
-        if t is Slot:
-            return self.value(a.index)
-        if t is Param:
-            return self.params[a.index]
-        if t is list:
-            return [self.arg(x) for x in a]
-        return a
-
-    def store(self, slot: int, tensor: torch.Tensor) -> None:
-        vid = self.slots[slot]
-        self.w.store.put(self.client, vid, tensor)
-        self.created.append(vid)
-
-    def execute(self, steps: list) -> dict:
-        returns, dynamic = [], []
-        for i, step in enumerate(steps):
-            try:
-                kind = step[0]
-                if kind == "call":
-                    report = self.call(step)
-                    if report is not None:
-                        dynamic.append(report)
-                elif kind == "send":
-                    self.send(step[1], step[2])
-                elif kind == "recv":
-                    self.recv(step[1], step[2])
-                elif kind == "free":
-                    self.w.store.free(self.client, self.slots[step[1]])
-                elif kind == "return":
-                    returns.append([step[1], self.value(step[1])])
-            except Exception as e:
-                return self.fail(steps, i, e)
-        return {"returns": returns, "dynamic": dynamic}
-
-    def call(self, step: list) -> list | None:
-        _, name, args, kwargs, outs, writes, report = step
-        op = resolve(name)
-        resolved = [self.arg(a) for a in args]
-        kw = {k: self.arg(v) for k, v in kwargs.items()}
-        with torch.no_grad():
-            result = self.w.rng.call(op, resolved, kw)
-        self.w.ops_run += 1
-        if isinstance(result, torch.Tensor):
-            tensors, kind = [result], "tensor"
-        elif isinstance(result, (tuple, list)) and all(
-            isinstance(r, torch.Tensor) or r is None for r in result
-        ):
-            tensors = [r for r in result if r is not None]  # None: a gradient not asked for
-            kind = "tuple" if isinstance(result, tuple) else "list"
-        elif result is None:
-            tensors, kind = [], "none"
-        else:
-            if not report:
-                raise TypeError(f"{name} returned {type(result).__name__}, not tensors")
-            return [outs[0], "none", [], [result]]
-        n_returns = len(outs) - len(writes)
-        if len(tensors) > n_returns:
-            raise RuntimeError(f"{name} returned {len(tensors)} tensors, expected {n_returns}")
-        for slot, t in zip(outs, tensors):
-            self.store(slot, t)
-        for path, slot in writes:
-            self.store(slot, _at_path(resolved, kw, path))
-        if report:
-            metas = [
-                [
-                    str(t.dtype).removeprefix("torch."),
-                    list(t.shape),
-                    list(t.stride()),
-                    t.storage_offset(),
-                ]
-                for t in tensors
-            ]
-            return [outs[0], kind, metas, []]
-        return None
-
-    def send(self, slot: int, dst: str) -> None:
-        msg = {
-            "kind": "transfer",
-            "client": self.client,
-            "run": self.run,
-            "value": self.slots[slot],
-            "src": self.w.name,
-            "tensor": self.value(slot),
-        }
-        self.w._transfer(dst, msg)
-
-    def recv(self, slot: int, src: str) -> None:
-        vid = self.slots[slot]
-        key = (self.client, self.run, vid, src)  # only `src` may fill this recv
-        deadline = time.monotonic() + self.w.recv_timeout
+    def wait_transfer(
+        self, session: Session, key: tuple[int, int, str], deadline: float
+    ) -> tuple[dict, bytes]:
+        """Wait for a transfer from the worker `key` names; give up once that worker or the
+        client is gone (or at `deadline`), asking for a resend now and then (ipfs)."""
+        run, vid, src = key
         wait = RESEND_AFTER
         ask = time.monotonic() + wait
-        with self.w._inbox_cv:
-            while key not in self.w._inbox:
-                if (self.client, self.run) in self.w._aborted:
-                    raise UpstreamFailed(f"run {self.run} was aborted by its client")
-                if not self.w.peer_alive(src):
+        with session.cv:
+            while key not in session.inbox:
+                if run in session.aborted:
+                    raise UpstreamFailed(f"run {run} was aborted by its client")
+                if session.closed:
+                    raise UpstreamFailed("the session was closed")
+                if not self.peer_alive(src):
                     raise UpstreamFailed(f"worker {src} stopped answering")
                 now = time.monotonic()
                 if now >= deadline:
                     raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
                 if now >= ask:  # ipfs: maybe dropped; the sender resends it if it was sent
-                    resend = {"kind": "resend", "client": self.client, "run": self.run,
-                              "value": vid, "dst": self.w.name}  # fmt: skip
-                    self.w.transport.publish(worker_topic(src), wire.encode(resend), False)
+                    self.ask_resend(session, run, vid, src)
                     wait = min(2 * wait, 8 * RESEND_AFTER)  # ipfs: slow, or lost again
                     ask = now + wait
-                self.w._inbox_cv.wait(min(deadline, ask) - now)
-            got = self.w._inbox.pop(key)
-            self.w._received[key] = None  # ipfs: ignore resent copies of it
-            while len(self.w._received) > TRANSFERS_KEPT:
-                self.w._received.popitem(last=False)
-        if isinstance(got, dict):
-            raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
-        if not isinstance(got, torch.Tensor):
-            raise wire.WireError(f"transfer of %{vid} from {src} carried no tensor")
-        self.store(slot, got)
+                session.cv.wait(min(deadline, ask) - now)
+            return session.take(key)
 
-    def fail(self, steps: list, index: int, error: Exception) -> dict:
-        """Report the failure, tell waiting workers, and undo what this run stored."""
-        step = steps[index]
-        for later in steps[index:]:
-            if later[0] == "send":
-                msg = {
-                    "kind": "transfer",
-                    "client": self.client,
-                    "run": self.run,
-                    "value": self.slots[later[1]],
-                    "src": self.w.name,
-                    "error": f"failed on {self.w.name}",
-                }
-                self.w._transfer(later[2], msg)
-        for vid in self.created:
-            self.w.store.free(self.client, vid)
-        upstream = isinstance(error, UpstreamFailed)
-        if not upstream:
-            log.warning(
-                "%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else step[0], error
-            )
-        tb = traceback.format_exception_only(type(error), error)
-        frames = traceback.extract_tb(error.__traceback__)[-3:]
-        return {
-            "ok": False,
-            "error": {
-                "worker": self.w.name,
-                "op": step[1] if step[0] == "call" else step[0],
-                "slot": step[4][0] if step[0] == "call" and step[4] else None,
-                "message": "".join(tb).strip(),
-                "traceback": "".join(traceback.format_list(frames)),
-                "upstream": upstream,
-            },
-        }
+    def ask_resend(self, session: Session, run: int, vid: int, src: str) -> None:
+        """ipfs: ask worker `src` to send a transfer again (it may have been dropped)."""
+        resend = {"kind": "resend", "client": session.key, "run": run, "value": vid,
+                  "dst": self.name}  # fmt: skip
+        self._outbox.put((worker_topic(src), wire.encode(resend)))
+
+    def close(self) -> None:
+        self._closed = True
+        self.transport.close()
+        self._outbox.put(None)
+        with self._lock:
+            sessions = list(self.sessions.values())
+            self.sessions.clear()
+        for session in sessions:
+            session.close()
+        self._sender.join(timeout=5)
 
 
 def _client_key(sender: str, msg: dict) -> str:
     """Who owns the tensors a request names: the sender's identity and its session."""
     session = msg.get("session")
     return f"{sender}/{session}" if isinstance(session, str) else sender
-
-
-def _at_path(args: list, kwargs: dict, path: Any) -> Any:
-    if isinstance(path, list):  # (argument, index in a tensor list)
-        return _at_path(args, kwargs, path[0])[path[1]]
-    return args[path] if type(path) is int else kwargs[path]
-
-
-def _list(msg: dict, key: str) -> list:
-    v = msg.get(key)
-    if not isinstance(v, list):
-        raise RequestError(f"{key!r} must be a list")
-    return v
-
-
-def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
-    """Reject a malformed step before any step of its program runs."""
-    if not isinstance(step, list) or not step or not isinstance(step[0], str):
-        raise RequestError(f"malformed step {step!r:.80}")
-    kind = step[0]
-    if kind == "call":
-        if len(step) != 7 or not isinstance(step[2], list) or not isinstance(step[3], dict):
-            raise RequestError("a call step is [call, op, args, kwargs, outs, writes, report]")
-        resolve(step[1])
-        for ref in call_refs(step):
-            if type(ref) is Param:
-                params.add(ref.index)
-            elif ref.index >= n_slots:
-                raise RequestError(f"step refers to {ref!r}, beyond the program's values")
-        if not all(type(s) is int and 0 <= s < n_slots for s in step[4]):
-            raise RequestError("call outputs must be slots")
-    elif kind in ("send", "recv"):
-        if len(step) != 3 or type(step[1]) is not int or not isinstance(step[2], str):
-            raise RequestError(f"a {kind} step is [{kind}, slot, worker]")
-        if not 0 <= step[1] < n_slots:
-            raise RequestError(f"{kind} of slot {step[1]} beyond the program's values")
-    elif kind in ("free", "return"):
-        if len(step) != 2 or type(step[1]) is not int or not 0 <= step[1] < n_slots:
-            raise RequestError(f"a {kind} step is [{kind}, slot]")
-    else:
-        raise RequestError(f"unknown step kind {kind!r}")

@@ -25,9 +25,11 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch._decomp import decomposition_table
 
 from gridgraph.errors import PlacementError, RecordError
-from gridgraph.trace.graph import Const, Graph, Node, Ref
+from gridgraph.trace.allowlist import ALLOWED
+from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
 
 if TYPE_CHECKING:
@@ -246,6 +248,8 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     if op is aten._local_scalar_dense.default:  # .item(), bool(p), int(p): a sync point
         p = args[0]
         return p._owner.fetch(p._vid).item()
+    if not _listed(op):  # workers run only allowlisted ops: record what this one is made of
+        return _decompose(op, args, kwargs)
 
     walk = _Walk(pointer_type)
     t_args = tuple([walk.convert(a) for a in args])
@@ -395,6 +399,23 @@ def _structure(kind: str, out: list[Any]) -> Any:
 
 
 _signatures: dict[tuple, int] = {}
+
+
+@cache
+def _listed(op: torch._ops.OpOverload) -> bool:
+    return op_name(op) in ALLOWED
+
+
+def _decompose(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run PyTorch's decomposition of an op outside the allowlist: its ops are recorded."""
+    decomposition = decomposition_table.get(op)
+    if decomposition is None:
+        raise RecordError(
+            f"{op_name(op)} is not on the workers' op allowlist (gridgraph/trace/allowlist.py) "
+            "and PyTorch has no decomposition of it into listed ops"
+        )
+    return decomposition(*args, **kwargs)
+
 
 # How many value ids to set aside for a data-dependent op's outputs before we know them.
 _DYNAMIC_SLOTS = 8

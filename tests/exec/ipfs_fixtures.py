@@ -40,7 +40,7 @@ from gridgraph.exec.ipfs.swarm import (
 )
 from gridgraph.exec.ipfs.transport import GridTransport
 from gridgraph.exec.transport import Handler, Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
+from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
 
 
 @pytest.fixture(scope="session")
@@ -206,16 +206,23 @@ class Tap(Transport):
         self.inner.directory = directory
 
 
+def sealed_endpoint(api: str, **kwargs) -> GridTransport:
+    """A grid endpoint of its own on the node at `api` that knows the workers' keys (from
+    their heartbeats), so it can seal messages for them as any peer of the grid can."""
+    transport = GridTransport(api, deliver_own=True, resolve_wait=10.0, **kwargs)
+    transport.directory = Directory()
+    transport.subscribe(DISCOVERY_TOPIC, transport.directory.on_message)
+    ask_workers(transport)
+    return transport
+
+
 class Raw:
     """A bare peer that sends hand-made requests to workers and collects the replies: a
     client of its own (sealed for the worker, as any peer of the grid can), whose messages
     say what the test wants, any session included."""
 
     def __init__(self, api: str) -> None:
-        self.transport = GridTransport(api, deliver_own=True, resolve_wait=10.0)
-        self.transport.directory = Directory()
-        self.transport.subscribe(DISCOVERY_TOPIC, self.transport.directory.on_message)
-        ask_workers(self.transport)
+        self.transport = sealed_endpoint(api)
         self.session = uuid.uuid4().hex[:12]
         self.replies: queue.Queue[dict] = queue.Queue()
         self._topics: set[str] = set()
@@ -223,7 +230,7 @@ class Raw:
 
     def reply_topic(self, session: str) -> str:
         """Our reply topic for `session` (the only one a worker answers us on)."""
-        topic = f"gridgraph.client.{self.transport.identity}.{session}"
+        topic = client_topic(self.transport.identity, session)
         if topic not in self._topics:
             self._topics.add(topic)
             self.transport.subscribe(topic, lambda s, p: self.replies.put(wire.decode(p)))

@@ -1,9 +1,14 @@
-"""The wire format: what goes in comes out, and every decoded tensor is aligned for its dtype."""
+"""The wire format: what goes in comes out, every decoded tensor is aligned for its dtype,
+and a hostile message (overlapping tensors, bad bool bytes, too large) is refused."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
+from hostile import frame, tensor_ref
 
 from gridgraph.exec import wire
 
@@ -26,3 +31,94 @@ def test_complex_results_from_a_worker_are_usable(local_grid):
     got = x.send(local_grid.workers[0]).cdouble().get()
     torch.testing.assert_close(got, x.cdouble())
     assert got.data_ptr() % got.dtype.itemsize == 0
+
+
+# --- hostile messages: refused before anything uses them ------------------------------------
+
+
+def test_two_tensors_over_the_same_bytes_are_refused():
+    data = bytes(range(128))
+    overlapping = [tensor_ref("uint8", [64], 0, 64), tensor_ref("uint8", [128], 0, 128)]
+    with pytest.raises(wire.WireError, match="overlap"):
+        wire.decode(frame({"kind": "put", "values": overlapping}, data))
+    disjoint = [tensor_ref("uint8", [64], 0, 64), tensor_ref("uint8", [64], 64, 64)]
+    got = wire.decode(frame({"kind": "put", "values": disjoint}, data))["values"]
+    assert [t.tolist() for t in got] == [list(range(64)), list(range(64, 128))]
+
+
+@pytest.mark.parametrize("byte", [2, 0x80, 0xFF])
+def test_bool_bytes_other_than_0_and_1_are_refused(byte):
+    data = bytes([0, 1, byte, 1])
+    with pytest.raises(wire.WireError, match="bool"):
+        wire.decode(frame({"kind": "put", "t": tensor_ref("bool", [4], 0, 4)}, data))
+    good = wire.decode(frame({"kind": "put", "t": tensor_ref("bool", [4], 0, 4)}, bytes(4)))
+    assert good["t"].tolist() == [False] * 4
+
+
+def test_misaligned_tensor_offsets_are_refused():
+    with pytest.raises(wire.WireError, match="aligned"):
+        wire.decode(frame({"kind": "x", "t": tensor_ref("float32", [2], 4, 8)}, bytes(64)))
+
+
+def test_a_misaligned_buffer_is_copied_once_and_every_tensor_stays_exact():
+    tensors = [torch.arange(n).to(torch.complex128) for n in (1, 3, 7)]
+    payload = wire.encode({"kind": "x", "ts": tensors})
+    shifted = bytearray(1) + payload
+    del shifted[:1]  # CPython moves the start of the buffer: now one byte off alignment
+    assert torch.frombuffer(shifted, dtype=torch.uint8).data_ptr() % 16 == 1
+    got = wire.decode(shifted)["ts"]
+    for sent, received in zip(tensors, got):
+        assert received.data_ptr() % 16 == 0
+        assert torch.equal(sent, received)
+
+
+def test_messages_over_the_size_limits_are_refused():
+    payload = wire.encode({"kind": "x", "t": torch.zeros(1000)})
+    with pytest.raises(wire.WireError, match="over the limit of 1000"):
+        wire.decode(payload, max_bytes=1000)
+    assert wire.decode(payload, max_bytes=len(payload))["t"].shape == (1000,)
+    with pytest.raises(wire.WireError, match="header .* over the limit"):
+        wire.decode(frame({"kind": "x", "pad": b"p" * wire.MAX_HEADER_BYTES}))
+    too_many = [tensor_ref("uint8", [0], 0, 0)] * (wire.MAX_TENSORS + 1)
+    with pytest.raises(wire.WireError, match="at most"):
+        wire.decode(frame({"kind": "x", "ts": too_many}))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_growth_at_decode_is_bounded():
+    # The attack: a 7 MB header of tensors over one byte grew a worker by 551 MB. Now it is
+    # refused, and the worst headers under the caps (empty maps: ~70 bytes each in memory;
+    # tensors: ~1 kB each) grow memory by a bounded amount.
+    same_byte = [tensor_ref("bool", [1], 0, 1)] * 500_000
+    with pytest.raises(wire.WireError):
+        wire.decode(frame({"kind": "x", "ts": same_byte}, b"\x01"))
+    worst = [
+        frame({"kind": "x", "v": [{}] * (wire.MAX_HEADER_BYTES - 64)}),
+        frame(
+            {
+                "kind": "x",
+                "v": [tensor_ref("bool", [1], 64 * i, 1) for i in range(wire.MAX_TENSORS)],
+            },
+            bytes(64 * wire.MAX_TENSORS),
+        ),
+    ]
+    for payload in worst:
+        gc.collect()
+        before = _rss()
+        message = wire.decode(payload)
+        growth = _rss() - before
+        del message
+        assert growth < 100 * wire.MAX_HEADER_BYTES, f"grew by {growth / 2**20:.0f} MiB"
+
+
+def test_a_dtype_the_receiver_would_refuse_is_refused_when_sending():
+    # complex32 went out as an argument, the worker dropped the message, the client waited.
+    with pytest.raises(wire.WireError, match="complex32 cannot be sent"):
+        wire.encode({"kind": "x", "dtype": torch.complex32})
+    assert (
+        wire.decode(wire.encode({"kind": "x", "dtype": torch.bfloat16}))["dtype"] is torch.bfloat16
+    )

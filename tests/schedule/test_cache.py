@@ -94,5 +94,6 @@ def test_worker_that_lost_a_program_gets_it_again(local_grid):
     p = gg.send(torch.ones(3), local_grid.workers[0])
     (p * 2).get()
     for worker in local_grid.local_workers:  # the workers forget every program they keep
-        worker._programs.clear()
+        for session in worker.sessions.values():
+            session.programs.clear()
     assert torch.equal((p * 2).get(), torch.full((3,), 2.0))

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 
-from gridgraph.exec import wire
+from gridgraph.exec import executor, wire
 from gridgraph.exec.ipfs.discovery import (
     DEFAULT_LEASE,
     HEARTBEAT,
@@ -25,6 +25,7 @@ from gridgraph.exec.ipfs.discovery import (
 )
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
+from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker
 
 log = logging.getLogger("gridgraph.ipfs")
@@ -37,14 +38,17 @@ def run_worker(
     lease: float = DEFAULT_LEASE,
     heartbeat: float = HEARTBEAT,
     recv_timeout: float = 120.0,
-    max_payload: int = MAX_PAYLOAD,
+    limits: Limits | None = None,
+    isolate: bool = True,
     stop: threading.Event | None = None,
     allow_peers: str | None = None,
 ) -> int:
     """Serve as worker `name` through the Kubo node at `ipfs` until SIGTERM/SIGINT (or `stop`).
 
     Announces itself every `heartbeat` s, frees the tensors of clients silent for `lease` s,
-    and says goodbye on the discovery topic when it stops. Returns the exit status.
+    grants each client the budgets of `limits` (default `Limits()`, see limits.py), runs each
+    client session's programs in an executor process of its own unless `isolate` is False, and
+    says goodbye on the discovery topic when it stops. Returns the exit status.
 
     Example:
         run_worker("/ip4/127.0.0.1/tcp/5001", "w1")   # what `gridgraph worker` runs
@@ -52,7 +56,9 @@ def run_worker(
     check_name(name)
     if not lease > 0:
         raise ValueError(f"lease must be positive, got {lease}")
+    limits = limits or Limits()
     stop = stop or threading.Event()
+    max_payload = min(MAX_PAYLOAD, limits.max_message_bytes)
     allow = trusted_peers(load_trust(allow_peers)) if allow_peers else None
     transport = open_transport(
         WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload, allow=allow
@@ -62,7 +68,9 @@ def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             handlers[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
-        return _serve_as_worker(transport, ipfs, name, lease, heartbeat, recv_timeout, stop)
+        return _serve_as_worker(
+            transport, ipfs, name, lease, heartbeat, recv_timeout, limits, isolate, stop
+        )
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -70,7 +78,7 @@ def run_worker(
 
 def _serve_as_worker(
     transport: WorkerTransport, ipfs: str, name: str, lease: float, heartbeat: float,
-    recv_timeout: float, stop: threading.Event,
+    recv_timeout: float, limits: Limits, isolate: bool, stop: threading.Event,
 ) -> int:  # fmt: skip
     instance = uuid.uuid4().hex[:12]
     asked = threading.Event()  # a client asked for announcements (or we are stopping)
@@ -78,6 +86,10 @@ def _serve_as_worker(
     directory = Directory(on_discover=asked.set, trust=transport.allow)  # private: allowed only
     transport.directory = directory  # whom to seal transfers to other workers for
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
+    # Executors fork from a server that imports torch first: start it now, not on a client's
+    # first request (pings, as `connect` sends, are answered without it meanwhile).
+    if isolate:
+        threading.Thread(target=executor.prewarm, daemon=True).start()
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
     if stop.wait(1.5 * heartbeat):
@@ -89,13 +101,17 @@ def _serve_as_worker(
         log.error("a worker named %r is already running (peer %s); pick another --name",
                   name, rival.identity)  # fmt: skip
         return 1
+    unknown: dict[str, float] = {}  # worker names asked about but never heard of
     worker = Worker(
         name,
         transport,
         recv_timeout=recv_timeout,
-        peer_identity=directory.identity,  # no waiting: it runs on the reader thread
-        # a worker never heard of may still be starting: only one gone silent is dead
-        peer_alive=lambda n: directory.identity(n) is None or directory.alive(n),
+        limits=limits,
+        isolate=isolate,
+        # never waits: it runs on the transport's reader thread (a transfer from a worker not
+        # heard of yet is dropped, and the receiver asks for it again)
+        peer_identity=directory.identity,
+        peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
     )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False
@@ -126,8 +142,8 @@ def _serve_as_worker(
             report = _expire(worker, lease)
             if report is not None and report != last_report:
                 last_report = report
-                log.info("%s: %d clients, %d tensors (%d bytes); %d ops run since the last "
-                         "stats reset", name, *report)  # fmt: skip
+                log.info("%s: %d clients, %d tensors (%d bytes held); %d ops run since their "
+                         "last stats reset", name, *report)  # fmt: skip
         asked.wait(heartbeat)
         asked.clear()
         stop.wait(0.05)  # at most 20 announcements a second, however often we are asked
@@ -137,12 +153,29 @@ def _serve_as_worker(
     return 0
 
 
+def _alive(directory: Directory, name: str, grace: float, unknown: dict[str, float]) -> bool:
+    """Whether worker `name` still answers. One never heard of may still be starting: it
+    counts as alive for `grace` s after it was first asked about (`unknown` says when), then
+    as gone."""
+    if directory.identity(name) is not None:
+        return directory.alive(name)
+    if len(unknown) > 1000:  # names from hostile programs: forget them
+        unknown.clear()
+    first = unknown.setdefault(name, time.monotonic())
+    return time.monotonic() - first < grace
+
+
 def _expire(worker: Worker, lease: float) -> tuple | None:
     """Free the tensors of clients silent past the lease; return what the worker holds."""
-    try:  # the execution thread may change the store meanwhile: a clash only delays this
+    try:  # session threads may change their state meanwhile: a clash only delays this
         worker.expire_clients(lease)
-        store = worker.store
-        return len(store.clients()), len(store), store.stored_bytes(), worker.ops_run
+        sessions = list(worker.sessions.values())
+        return (
+            len(sessions),
+            sum(len(s.store) for s in sessions),
+            sum(s.memory() for s in sessions),
+            sum(s.ops_run for s in sessions),
+        )
     except (RuntimeError, KeyError) as e:
         log.debug("%s: lease check deferred: %s", worker.name, e)
         return None

@@ -1,0 +1,286 @@
+"""Executor processes: each client session's programs run in a process of their own.
+
+Threat model: a client's program is hostile. It may crash a kernel, exhaust memory or run
+for hours. Running it in a process of its own confines each of those to that client: the
+worker's network process, which talks to the transport and serves every other session, only
+supervises.
+
+Policy:
+    start      one executor per session, started on the session's first request, forked from
+               a forkserver that imported torch already (a start costs tens of ms). Nothing is
+               ever forked from the network process, whose transport threads a fork would
+               copy half-way.
+    state      the executor holds the session's store, programs and random stream; the
+               network process keeps what the transport needs: request records, transfers
+               kept for resending, the inbox (session.py).
+    memory     the OS caps the executor's address space at what it mapped once started (torch
+               maps far more virtual memory than it uses) plus twice the client's memory
+               limit and some room per core: an allocation past that fails as an op error.
+    time       the executor stops a program between steps at the time limit; one still
+               running KILL_GRACE s later (a single long op) is killed.
+    loss       a crash, kill or time-out ends that session only: its request gets an error
+               reply, and so does every later one, naming the cause (`gg.SessionLost` on the
+               client). Other sessions are untouched.
+    wire       nothing crosses the boundary as pickle. Control frames are msgpack lists over
+               a pipe; messages (requests, replies, transfers, in the wire format and checked
+               by `wire.decode` on the way in) travel through an anonymous shared-memory file
+               (memfd) whose descriptor is passed along, never through the pipe.
+
+Frames (network process -> executor, and back; `+ data` is a memfd, or inline bytes when
+small):
+    ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
+                                                                   holds for the session)
+    while serving, the executor may send
+    ["transfer", dst, run, value] + data        the network process publishes it
+    ["recv", run, value, src, seconds]          answered ["recv-ok"] + data, or
+                                                ["recv-error", "upstream" | "timeout", text]
+    ["exit"]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import multiprocessing
+import os
+import resource
+import signal
+import time
+from functools import cache
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from gridgraph.exec import wire
+from gridgraph.exec.limits import GiB, Limits
+from gridgraph.exec.session import Session, UpstreamFailed, answer
+
+if TYPE_CHECKING:
+    from gridgraph.exec.worker import Worker
+
+log = logging.getLogger("gridgraph.executor")
+
+KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is killed
+INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
+FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
+
+
+class ExecutorLost(Exception):
+    """A session's executor is gone; `str(e)` says why."""
+
+    code = "session-lost"
+
+
+@cache
+def _context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["gridgraph.exec.executor_preload"])  # torch, warm
+    return ctx
+
+
+def prewarm() -> None:
+    """Start the forkserver now, not on a client's first request, and return once it serves
+    (it imports torch first: seconds)."""
+    ready = _context().Process(target=_nothing, daemon=True)
+    ready.start()
+    ready.join()
+
+
+def _nothing() -> None:
+    pass
+
+
+class Executor:
+    """The network process's handle on one session's executor process."""
+
+    def __init__(self, worker: str, session: str, limits: Limits, recv_timeout: float) -> None:
+        ctx = _context()
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.limits = limits
+        self.process = ctx.Process(
+            target=_executor_main,
+            args=(child, worker, session, limits, recv_timeout),
+            name=f"gridgraph-executor-{worker}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        self.lost: str | None = None
+        # Data from the executor larger than this is refused: a reply holds at most the
+        # client's memory, and a transfer at most a message.
+        self.max_data = max(limits.max_message_bytes, limits.max_client_memory or 0, 1 << 30)
+
+    def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
+        """Serve one request in the executor: its reply. Raises ExecutorLost."""
+        if self.lost is not None:
+            raise ExecutorLost(self.lost)
+        kill_at = worker.limits.deadline(time.monotonic()) + KILL_GRACE
+        try:
+            _send(self.conn, ["request", held], payload)
+            while True:
+                if not self.conn.poll(min(max(0.0, kill_at - time.monotonic()), 1e6)):
+                    seconds = worker.limits.max_request_seconds
+                    self._end(f"it ran past the time limit of {seconds:g} s and was killed")
+                frame, data = _receive(self.conn, self.max_data)
+                if frame[0] == "reply" and len(frame) == 2 and type(frame[1]) is int:
+                    session.elsewhere = frame[1]  # what the executor holds now
+                    return data
+                if frame[0] == "transfer" and len(frame) == 4:
+                    _, dst, run, value = frame
+                    worker.publish_transfer(session, str(dst), (run, value), data)
+                elif frame[0] == "recv" and len(frame) == 5:
+                    self._recv(worker, session, frame, kill_at)
+                else:
+                    self._end(f"it sent a malformed frame {frame!r:.60}")
+        except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
+            self._end(self._cause())
+
+    def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
+        _, run, value, src, seconds = frame
+        key = (int(run), int(value), str(src))
+        deadline = min(time.monotonic() + float(seconds), kill_at)
+        try:
+            _, payload = worker.wait_transfer(session, key, deadline)
+        except UpstreamFailed as e:
+            _send(self.conn, ["recv-error", "upstream", str(e)])
+        except TimeoutError as e:
+            _send(self.conn, ["recv-error", "timeout", str(e)])
+        else:
+            _send(self.conn, ["recv-ok"], payload)
+
+    def _cause(self) -> str:
+        self.process.join(1.0)
+        code = self.process.exitcode
+        if code is None:
+            return "it broke the protocol"
+        if code == -signal.SIGKILL:
+            return "it was killed (out of memory?)"
+        if code < 0:
+            return f"it crashed ({signal.Signals(-code).name})"
+        return f"it exited with status {code}"
+
+    def _end(self, cause: str) -> None:
+        self.lost = cause
+        self.close()
+        log.warning("executor of a session lost: %s", cause)
+        raise ExecutorLost(cause)
+
+    def close(self) -> None:
+        """Stop the process (it holds nothing worth saving)."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(2.0)
+        self.conn.close()
+
+
+# --- framing ---------------------------------------------------------------------------------
+
+
+def _send(conn: Connection, frame: list, data: bytes | bytearray | None = None) -> None:
+    if data is None:
+        conn.send_bytes(msgpack.packb(frame))
+    elif len(data) <= INLINE_MAX:
+        conn.send_bytes(msgpack.packb([*frame, bytes(data)]))
+    else:
+        fd = os.memfd_create("gridgraph", os.MFD_CLOEXEC)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], done)
+            conn.send_bytes(msgpack.packb([*frame, len(data)]))
+            reduction.send_handle(conn, fd, 0)
+        finally:
+            os.close(fd)
+
+
+def _receive(conn: Connection, max_data: int) -> tuple[list, bytearray | None]:
+    """A frame and its data (None if it carries none)."""
+    frame = msgpack.unpackb(conn.recv_bytes(FRAME_MAX))
+    if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
+        raise ValueError("malformed frame")
+    if frame[0] not in ("request", "reply", "transfer", "recv-ok"):
+        return frame, None
+    last = frame.pop()
+    if isinstance(last, bytes):
+        return frame, bytearray(last)
+    if type(last) is not int or not 0 <= last <= max_data:
+        raise ValueError(f"data of {last!r} bytes")
+    fd = reduction.recv_handle(conn)
+    try:
+        data = bytearray(last)
+        view, done = memoryview(data), 0
+        while done < last:
+            n = os.preadv(fd, [view[done:]], done)
+            if n == 0:
+                raise ValueError("shared data shorter than announced")
+            done += n
+        return frame, data
+    finally:
+        os.close(fd)
+
+
+# --- the executor process ----------------------------------------------------------------------
+
+
+class _ExecutorHost:
+    """What a session's programs see of the worker, from inside the executor (session.Host)."""
+
+    def __init__(self, conn: Connection, name: str, limits: Limits, recv_timeout: float):
+        self.conn, self.name, self.limits, self.recv_timeout = conn, name, limits, recv_timeout
+
+    def transfer(self, session: Session, dst: str, msg: dict) -> None:
+        _send(self.conn, ["transfer", dst, msg["run"], msg["value"]], wire.encode(msg))
+
+    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+        run, value, src = key
+        _send(self.conn, ["recv", run, value, src, max(0.0, deadline - time.monotonic())])
+        frame, data = _receive(self.conn, math.inf)
+        if frame[0] == "recv-ok":
+            return wire.decode(data)
+        if frame[0] == "recv-error" and frame[1] == "upstream":
+            raise UpstreamFailed(str(frame[2]))
+        raise TimeoutError(str(frame[2]))
+
+
+def _executor_main(
+    conn: Connection, name: str, key: str, limits: Limits, recv_timeout: float
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker, which kills us
+    _die_with_parent()
+    _cap_address_space(limits.max_client_memory)
+    session = Session(key, key.split("/", 1)[0])
+    host = _ExecutorHost(conn, name, limits, recv_timeout)
+    while True:
+        try:
+            frame, data = _receive(conn, math.inf)
+        except EOFError:
+            return
+        if frame[0] != "request":
+            return
+        session.elsewhere = int(frame[1])
+        msg = wire.decode(data)  # checked by the network process already
+        reply = answer(host, session, msg, len(data))
+        _send(conn, ["reply", session.memory() - session.elsewhere], reply)
+
+
+def _die_with_parent() -> None:
+    """Be killed when the forkserver goes, as it does when its worker dies: an orphaned
+    executor would otherwise run its program to the end, on cores others need."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it went before the call took effect
+        os._exit(1)
+
+
+def _cap_address_space(client_memory: int | None) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if client_memory is None:
+        return
+    with open("/proc/self/status") as status:
+        mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
+    room = 2 * client_memory + GiB + (256 << 20) * (os.cpu_count() or 1)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + room, mapped + room))

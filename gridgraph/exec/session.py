@@ -1,0 +1,763 @@
+"""One client session on a worker: its state, and running its programs.
+
+A client is an authenticated peer plus the session id it chose; everything a worker keeps
+for it lives in its `Session` and nowhere else, so no other peer can read, evict, reseed or
+reset any of it:
+
+    store      its tensors by value id (store.py)
+    programs   its compiled programs by plan id, the PROGRAMS_KEPT most recently used
+    records    request id -> the reply sent (None while queued or running): a request id
+               runs at most once. Replies are kept for the REPLIES_KEPT latest requests and
+               bare ids for the RECORDS_KEPT latest (a resend of an older one is told so)
+    rng        its random stream (`worker.manual_seed` seeds only this)
+    traffic    messages and bytes the worker sent for it; `ops_run`
+    sent       transfers it sent to other workers, kept for resending (ipfs)
+    inbox      transfers other workers sent it, by (run, value id, sending worker)
+    queue      its requests waiting to run, in arrival order
+
+All of it counts against the session's memory limit (`memory()`), and all of it goes when the
+client says `bye` or its lease expires. A session's requests run one at a time, in order, on
+a thread of its own (worker.py starts it), so one client's long program or blocked `recv`
+delays no other client.
+
+Running a program: every step is checked when the program arrives (`Program`); before a run,
+the shapes of everything it creates are worked out on the meta device from the stored inputs
+(`Program.footprint`), so a run that would break the memory or time limit is refused before
+any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
+way just before they run. A run that fails undoes what it stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from typing import Any, Protocol
+
+import torch
+
+from gridgraph.exec import wire
+from gridgraph.exec.limits import (
+    RECORD_BYTES,
+    LimitExceeded,
+    Limits,
+    TimeLimitExceeded,
+    meta_like,
+    op_footprint,
+)
+from gridgraph.exec.ops import OpRefused, RandomState, check_view, resolve
+from gridgraph.exec.store import ObjectStore
+from gridgraph.exec.transport import TrafficCounter
+from gridgraph.schedule.plan import Param, Slot, call_refs
+
+
+class Host(Protocol):
+    """Where a session's programs run: the worker itself, or an executor process."""
+
+    name: str
+    limits: Limits
+    recv_timeout: float
+
+    def transfer(self, session: Session, dst: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst`."""
+
+    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+        """The transfer message `key` = (run, value id, sending worker), waiting until
+        `deadline`; raises UpstreamFailed, TimeoutError or TimeLimitExceeded."""
+
+
+log = logging.getLogger("gridgraph.worker")
+
+PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
+REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
+RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
+TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
+# ipfs: PubSub drops messages: a recv waiting this long asks the sender to resend.
+RESEND_AFTER = 0.5
+
+
+class RequestError(Exception):
+    """A request that cannot be served; its message goes back to the sender."""
+
+    def __init__(self, message: str, code: str = "refused") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class UpstreamFailed(Exception):
+    """A value this worker waited for was never computed because its producer failed."""
+
+
+class Record:
+    """What a session remembers of one request: its reply once sent, and when it went out."""
+
+    __slots__ = ("reply", "sent_at")
+
+    def __init__(self) -> None:
+        self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
+        self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
+
+
+class Session:
+    """Everything a worker keeps for one client; see the module docstring."""
+
+    def __init__(self, key: str, peer: str) -> None:
+        self.key, self.peer = key, peer
+        self.store = ObjectStore()
+        self.programs: OrderedDict[int, Program] = OrderedDict()
+        self.records: OrderedDict[str, Record] = OrderedDict()
+        self.rng = RandomState()
+        self.traffic = TrafficCounter()
+        self.ops_run = 0
+        self.sent: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
+        self.inbox: dict[tuple[int, int, str], Any] = {}
+        self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
+        self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
+        self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
+        self.busy = False  # a thread is serving the queue
+        self.closed = False
+        self.last_seen = time.monotonic()
+        self.cv = threading.Condition()  # guards inbox, received, aborted, closed
+        self.executor: Any = None  # the process running its programs (executor.py), if any
+        self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
+        self._reply_bytes = 0
+        self._inbox_bytes = 0
+        self._sent_bytes = 0
+        self._program_bytes = 0
+
+    # --- memory ----------------------------------------------------------------------------
+
+    def memory(self) -> int:
+        """Bytes this session holds: tensors, inbox, kept transfers, replies, programs."""
+        return (
+            self.store.stored_bytes
+            + self._inbox_bytes
+            + self._sent_bytes
+            + self._reply_bytes
+            + self._program_bytes
+            + RECORD_BYTES * len(self.records)
+            + self.elsewhere
+        )
+
+    # --- request records -------------------------------------------------------------------
+
+    def record(self, rid: str) -> Record:
+        """A new record for request `rid`, dropping the oldest ones past the caps."""
+        rec = self.records[rid] = Record()
+        while len(self.records) > RECORDS_KEPT:
+            _, old = self.records.popitem(last=False)
+            self._reply_bytes -= len(old.reply or b"")
+        return rec
+
+    def replied(self, rec: Record, reply: bytes) -> None:
+        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay."""
+        rec.reply = reply
+        self._reply_bytes += len(reply)
+        with_reply = [r for r in reversed(self.records.values()) if r.reply is not None]
+        for old in with_reply[REPLIES_KEPT:]:
+            self._reply_bytes -= len(old.reply)
+            old.reply = None
+
+    # --- programs --------------------------------------------------------------------------
+
+    def add_program(self, plan_id: int, program: Program) -> None:
+        old = self.programs.pop(plan_id, None)
+        if old is not None:
+            self._program_bytes -= old.nbytes
+        self.programs[plan_id] = program
+        self._program_bytes += program.nbytes
+        while len(self.programs) > PROGRAMS_KEPT:
+            _, dropped = self.programs.popitem(last=False)
+            self._program_bytes -= dropped.nbytes
+
+    # --- transfers -------------------------------------------------------------------------
+
+    def keep_sent(self, key: tuple[int, int, str], payload: bytes) -> None:
+        """Keep a transfer this session sent, for a resend (ipfs)."""
+        old = self.sent.pop(key, None)
+        self._sent_bytes += len(payload) - len(old or b"")
+        self.sent[key] = payload
+        while len(self.sent) > TRANSFERS_KEPT:
+            _, dropped = self.sent.popitem(last=False)
+            self._sent_bytes -= len(dropped)
+
+    def deliver(self, key: tuple[int, int, str], msg: dict, payload: bytes) -> None:
+        """A transfer message arrived (`payload` as received); wake a waiting recv."""
+        with self.cv:
+            if key in self.received or key in self.inbox or self.closed:
+                return  # ipfs: a resent copy of one already here or used
+            self.inbox[key] = (msg, payload)
+            self._inbox_bytes += len(payload)
+            self.cv.notify_all()
+
+    def take(self, key: tuple[int, int, str]) -> tuple[dict, bytes]:
+        """Remove and return an inbox item (the caller holds `cv`)."""
+        msg, payload = self.inbox.pop(key)
+        self._inbox_bytes -= len(payload)
+        self.received[key] = None
+        while len(self.received) > TRANSFERS_KEPT:
+            self.received.popitem(last=False)
+        return msg, payload
+
+    def abort(self, run: Any) -> None:
+        if type(run) is not int:
+            return
+        with self.cv:
+            self.aborted[run] = None
+            while len(self.aborted) > TRANSFERS_KEPT:
+                self.aborted.popitem(last=False)
+            self.cv.notify_all()
+
+    # --- end -------------------------------------------------------------------------------
+
+    def close(self) -> int:
+        """Free everything this session holds; returns the number of tensors freed."""
+        with self.cv:
+            self.closed = True
+            self.inbox.clear()
+            self.cv.notify_all()
+        n = self.store.clear()
+        if self.executor is not None:
+            self.executor.close()
+        self.programs.clear()
+        self.records.clear()
+        self.sent.clear()
+        self.queue.clear()
+        self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
+        return n
+
+
+# --- serving one request ----------------------------------------------------------------------
+
+
+def answer(host: Host, session: Session, msg: dict, nbytes: int) -> bytes:
+    """Serve one accepted request of `session`; its reply, an error reply if anything fails.
+
+    Runs where the session's state lives: in the worker (in-process) or in the session's
+    executor process (executor.py). `bye` is the worker's own business.
+    """
+    rid, kind = msg["id"], msg["kind"]
+    try:
+        frees = msg.get("free", [])
+        if not isinstance(frees, list) or not all(type(v) is int for v in frees):
+            raise RequestError("'free' must be a list of value ids")
+        body = {"ok": True, **_HANDLERS[kind](host, session, msg, frees, nbytes)}
+    except (RequestError, wire.WireError, OpRefused, LimitExceeded) as e:
+        log.warning("%s: refused a %r request from %s: %s", host.name, kind, session.key, e)
+        body = error_body(host.name, e)
+    except Exception as e:  # a bug, or a failure outside a program: still one reply
+        log.exception("%s: %r request from %s failed", host.name, kind, session.key)
+        body = error_body(host.name, e)
+    return encode_reply(host.name, rid, body)
+
+
+def encode_reply(worker: str, rid: str, body: dict) -> bytes:
+    """The reply message; if the body cannot be encoded, an error reply saying why."""
+    try:
+        return wire.encode({"kind": "reply", "re": rid, "worker": worker, **body})
+    except Exception as e:  # a result that cannot be sent: the client still hears why
+        log.warning("%s: could not encode the reply to %s: %s", worker, rid, e)
+        error = error_body(worker, RequestError(f"the reply could not be encoded: {e}"))
+        return wire.encode({"kind": "reply", "re": rid, "worker": worker, **error})
+
+
+def error_body(worker: str, error: Exception) -> dict:
+    """The reply to a refused request: nothing it asked for happened, not even its frees."""
+    code = getattr(error, "code", "refused")
+    return {
+        "ok": False,
+        "error": {"worker": worker, "message": str(error), "code": code, "refused": True},
+    }
+
+
+def _free(session: Session, frees: list[int]) -> None:
+    for vid in frees:
+        session.store.free(vid)
+
+
+def _ping(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    _free(session, frees)  # "free" requests too: every request carries releases
+    return {}
+
+
+def _put(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    values = msg.get("values")
+    if not isinstance(values, list) or not all(
+        isinstance(item, list)
+        and len(item) == 2
+        and type(item[0]) is int
+        and isinstance(item[1], torch.Tensor)
+        for item in values
+    ):
+        raise RequestError("put values must be [value id, tensor] pairs")
+    size = sum(t.untyped_storage().nbytes() for _, t in values)
+    after = session.memory() - session.store.bytes_freed_by(frees) + size
+    host.limits.check_memory(after, "storing these tensors")
+    _free(session, frees)
+    for vid, tensor in values:
+        session.store.put(vid, tensor)
+    return {}
+
+
+def _seed(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    seed = msg.get("seed")
+    if type(seed) is not int:
+        raise RequestError("seed must be an int")
+    session.rng.manual_seed(seed)
+    _free(session, frees)
+    return {}
+
+
+def _stats(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    _free(session, frees)
+    out = {
+        "objects": len(session.store),
+        "stored_bytes": session.store.stored_bytes,
+        "memory": session.memory(),
+        "ops_run": session.ops_run,
+        "messages": session.traffic.messages,
+        "bytes": session.traffic.bytes,
+    }
+    if msg.get("reset"):
+        session.traffic.reset()
+        session.ops_run = 0
+    return out
+
+
+def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    start = time.monotonic()
+    run, plan_id, slots = msg.get("run"), msg.get("plan"), msg.get("slots")
+    params = msg.get("params")
+    if type(run) is not int or type(plan_id) is not int or not isinstance(slots, list):
+        raise RequestError("a run needs 'run', 'plan' and 'slots'")
+    if not all(type(v) is int for v in slots):
+        raise RequestError("slots must be value ids")
+    if not isinstance(params, list) or not all(
+        isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
+    ):
+        raise RequestError("params must be [index, value] pairs")
+    params = dict(params)
+    if "program" in msg:
+        program = Program(msg["program"], len(slots), nbytes)
+    else:
+        program = session.programs.get(plan_id)
+        if program is None:
+            raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
+    if len(slots) != program.n_slots or not program.params <= params.keys():
+        raise RequestError(f"run of plan {plan_id} does not fit its program")
+    # Checked from meta shapes before anything runs or changes; frees count as done.
+    peak, work, unchecked = program.footprint(session.store, slots, params)
+    held = session.memory() - session.store.bytes_freed_by(frees)
+    if "program" in msg and plan_id not in session.programs:
+        held += program.nbytes
+    host.limits.check_memory(held + peak, f"run {run} (plan {plan_id})")
+    host.limits.check_work(work, f"run {run} (plan {plan_id})")
+    if "program" in msg:
+        session.add_program(plan_id, program)
+    session.programs.move_to_end(plan_id)
+    _free(session, frees)
+    deadline = host.limits.deadline(start)
+    return Run(host, session, run, slots, params, deadline).execute(program, unchecked)
+
+
+def _bye(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
+    return {"freed": session.store.clear()}  # in an executor; the worker forgets the rest
+
+
+_HANDLERS = {"put": _put, "run": _run, "seed": _seed, "stats": _stats, "free": _ping,
+             "ping": _ping, "bye": _bye}  # fmt: skip
+
+
+class Program:
+    """A checked program: every step well-formed, every slot and parameter in range."""
+
+    def __init__(self, stages: Any, n_slots: int, nbytes: int) -> None:
+        if not isinstance(stages, list) or not all(isinstance(st, list) for st in stages):
+            raise RequestError("a program is a list of stages, each a list of steps")
+        self.steps = [step for stage in stages for step in stage]
+        self.n_slots = n_slots
+        self.nbytes = nbytes  # what keeping it costs its session, roughly
+        self.params: set[int] = set()
+        defined: set[int] = set()
+        self.inputs: list[int] = []  # slots read before the program defines them
+        for step in self.steps:
+            _check_step(step, n_slots, self.params)
+            for slot in _reads(step):
+                if slot not in defined and slot not in self.inputs:
+                    self.inputs.append(slot)
+            defined.update(_defines(step))
+        # (input metas, params) -> (bytes at peak, work, steps checked only when they run)
+        self._footprints: OrderedDict[tuple, tuple[int, float, frozenset[int]]] = OrderedDict()
+
+    def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> tuple:
+        """(new bytes at the peak, work, indices of steps left to check at run time)."""
+        inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
+        key = (
+            tuple((s, t.shape, t.stride(), t.storage_offset(), t.dtype) for s, t in inputs.items()),
+            tuple(sorted((i, _param_key(p)) for i, p in params.items())),
+        )
+        found = self._footprints.get(key)
+        if found is None:
+            found = self._footprints[key] = _footprint(self.steps, inputs, params)
+            while len(self._footprints) > 8:
+                self._footprints.popitem(last=False)
+        return found
+
+
+def _param_key(p: Any) -> Any:
+    if isinstance(p, torch.Tensor):
+        return ("tensor", p.shape, p.stride(), p.dtype)
+    return repr(p)
+
+
+def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tuple:
+    """Run `steps` on meta tensors: the peak of new bytes, the work, the unchecked steps."""
+    metas = {s: meta_like(t) for s, t in inputs.items()}
+    meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
+    new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
+    users: dict[int, int] = {}  # meta storage -> slots naming it
+    now = peak = 0
+    work = 0.0
+    unchecked: set[int] = set()
+
+    def bind(slot: int, t: torch.Tensor | None) -> None:
+        nonlocal now
+        old = metas.pop(slot, None)
+        if old is not None:
+            key = old.untyped_storage()._cdata
+            users[key] -= 1
+            if users[key] == 0 and key in new_bytes:
+                now -= new_bytes.pop(key)
+        if t is not None:
+            metas[slot] = t
+            key = t.untyped_storage()._cdata
+            users[key] = users.get(key, 0) + 1
+
+    for t in metas.values():
+        key = t.untyped_storage()._cdata
+        users[key] = users.get(key, 0) + 1
+    for i, step in enumerate(steps):
+        kind = step[0]
+        if kind == "call":
+            _, name, args, kwargs, outs, writes, _report = step
+            known = all(type(r) is Param or r.index in metas for r in call_refs(step))
+            footprint = None
+            if known:
+                resolved = [_meta_arg(a, metas, meta_params) for a in args]
+                kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
+                footprint = op_footprint(resolve(name), resolved, kw)
+            if footprint is None:  # depends on a transfer or on data: check when it runs
+                unchecked.add(i)
+                for slot in [*outs, *(s for _, s in writes)]:
+                    bind(slot, None)
+                continue
+            result, made, op_work = footprint
+            work += op_work
+            new_bytes.update(made)
+            now += sum(made.values())
+            peak = max(peak, now)
+            tensors = _result_tensors(result)
+            for slot, t in zip(outs, tensors):
+                bind(slot, t)
+            for path, slot in writes:
+                t = _at_path(resolved, kw, path)
+                bind(slot, t if isinstance(t, torch.Tensor) else None)
+        elif kind == "recv":
+            bind(step[1], None)  # counted when it arrives, against the inbox
+        elif kind == "free":
+            bind(step[1], None)
+        elif kind == "return" and step[1] in metas:  # the reply holds a copy
+            t = metas[step[1]]
+            now += t.numel() * t.element_size()
+            peak = max(peak, now)
+    return peak, work, frozenset(unchecked)
+
+
+def _meta_arg(a: Any, metas: dict, params: dict) -> Any:
+    t = type(a)
+    if t is Slot:
+        return metas[a.index]
+    if t is Param:
+        return params[a.index]
+    if t is list:
+        return [_meta_arg(x, metas, params) for x in a]
+    return a
+
+
+def _result_tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [r for r in result if isinstance(r, torch.Tensor)]
+    return []
+
+
+class Run:
+    """One program's execution for one session on one worker."""
+
+    def __init__(
+        self, host: Host, session: Session, run: int, slots: list, params: dict,
+        deadline: float,
+    ) -> None:  # fmt: skip
+        self.w = host
+        self.s = session
+        self.run = run
+        self.slots = slots
+        self.params = params
+        self.deadline = deadline
+        self.created: list[int] = []  # value ids this run stored, undone on failure
+
+    def value(self, slot: int) -> torch.Tensor:
+        return self.s.store.get(self.slots[slot])
+
+    def arg(self, a: Any) -> Any:
+        t = type(a)
+        if t is Slot:
+            return self.value(a.index)
+        if t is Param:
+            return self.params[a.index]
+        if t is list:
+            return [self.arg(x) for x in a]
+        return a
+
+    def store(self, slot: int, tensor: Any) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise RequestError(f"slot {slot} would hold a {type(tensor).__name__}, not a tensor")
+        vid = self.slots[slot]
+        self.s.store.put(vid, tensor)
+        self.created.append(vid)
+
+    def execute(self, program: Program, unchecked: frozenset[int]) -> dict:
+        returns, dynamic = [], []
+        limits = self.w.limits
+        for i, step in enumerate(program.steps):
+            try:
+                if time.monotonic() > self.deadline:
+                    raise TimeLimitExceeded(limits.max_request_seconds)
+                kind = step[0]
+                if kind == "call":
+                    report = self.call(step, check=i in unchecked)
+                    if report is not None:
+                        dynamic.append(report)
+                    limits.check_memory(self.s.memory(), f"{step[1]}")
+                elif kind == "send":
+                    self.send(step[1], step[2])
+                elif kind == "recv":
+                    self.recv(step[1], step[2])
+                elif kind == "free":
+                    self.s.store.free(self.slots[step[1]])
+                elif kind == "return":
+                    returns.append([step[1], self.value(step[1])])
+            except Exception as e:
+                return self.fail(program.steps, i, e)
+        return {"returns": returns, "dynamic": dynamic}
+
+    def call(self, step: list, check: bool) -> list | None:
+        _, name, args, kwargs, outs, writes, report = step
+        op = resolve(name)
+        resolved = [self.arg(a) for a in args]
+        kw = {k: self.arg(v) for k, v in kwargs.items()}
+        if check:  # its inputs came during the run: check its footprint now, before it runs
+            self.check_footprint(op, name, resolved, kw)
+        with torch.no_grad():
+            result = self.s.rng.call(op, resolved, kw)
+        check_view(result)
+        self.s.ops_run += 1
+        if isinstance(result, torch.Tensor):
+            tensors, kind = [result], "tensor"
+        elif isinstance(result, (tuple, list)) and all(
+            isinstance(r, torch.Tensor) or r is None for r in result
+        ):
+            tensors = [r for r in result if r is not None]  # None: a gradient not asked for
+            kind = "tuple" if isinstance(result, tuple) else "list"
+        elif result is None:
+            tensors, kind = [], "none"
+        else:
+            if not report:
+                raise TypeError(f"{name} returned {type(result).__name__}, not tensors")
+            if not isinstance(result, (bool, int, float, complex)):
+                raise TypeError(f"{name} returned {type(result).__name__}")
+            return [outs[0], "none", [], [result]]
+        n_returns = len(outs) - len(writes)
+        if len(tensors) > n_returns:
+            raise RuntimeError(f"{name} returned {len(tensors)} tensors, expected {n_returns}")
+        written = [(slot, _at_path(resolved, kw, path)) for path, slot in writes]
+        for slot, t in zip(outs, tensors):
+            self.store(slot, t)
+        for slot, t in written:
+            self.store(slot, t)
+        if report:
+            metas = [
+                [
+                    str(t.dtype).removeprefix("torch."),
+                    list(t.shape),
+                    list(t.stride()),
+                    t.storage_offset(),
+                ]
+                for t in tensors
+            ]
+            return [outs[0], kind, metas, []]
+        return None
+
+    def check_footprint(self, op: Any, name: str, args: list, kwargs: dict) -> None:
+        meta_args = [_to_meta(a) for a in args]
+        meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
+        footprint = op_footprint(op, meta_args, meta_kw)
+        if footprint is None:
+            return  # data-dependent: its output is no larger than its input
+        _, made, work = footprint
+        limits = self.w.limits
+        limits.check_memory(self.s.memory() + sum(made.values()), name)
+        limits.check_work(work, name)
+
+    def send(self, slot: int, dst: str) -> None:
+        msg = {
+            "kind": "transfer",
+            "client": self.s.key,
+            "run": self.run,
+            "value": self.slots[slot],
+            "src": self.w.name,
+            "tensor": self.value(slot),
+        }
+        self.w.transfer(self.s, dst, msg)
+
+    def recv(self, slot: int, src: str) -> None:
+        vid = self.slots[slot]
+        deadline = min(time.monotonic() + self.w.recv_timeout, self.deadline)
+        try:
+            got = self.w.receive(self.s, (self.run, vid, src), deadline)
+        except TimeoutError:
+            if time.monotonic() >= self.deadline:
+                raise TimeLimitExceeded(self.w.limits.max_request_seconds) from None
+            raise
+        if got.get("error") is not None:
+            raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
+        tensor = got.get("tensor")
+        if not isinstance(tensor, torch.Tensor):
+            raise wire.WireError(f"transfer of %{vid} from {src} carried no tensor")
+        self.store(slot, tensor)
+
+    def fail(self, steps: list, index: int, error: Exception) -> dict:
+        """Report the failure, tell waiting workers, and undo what this run stored."""
+        step = steps[index]
+        for later in steps[index:]:
+            if later[0] == "send":
+                msg = {
+                    "kind": "transfer",
+                    "client": self.s.key,
+                    "run": self.run,
+                    "value": self.slots[later[1]],
+                    "src": self.w.name,
+                    "error": f"failed on {self.w.name}",
+                }
+                self.w.transfer(self.s, later[2], msg)
+        for vid in self.created:
+            self.s.store.free(vid)
+        upstream = isinstance(error, UpstreamFailed)
+        if not upstream:
+            log.warning(
+                "%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else step[0], error
+            )
+        tb = traceback.format_exception_only(type(error), error)
+        frames = traceback.extract_tb(error.__traceback__)[-3:]
+        return {
+            "ok": False,
+            "error": {
+                "worker": self.w.name,
+                "op": step[1] if step[0] == "call" else step[0],
+                "slot": step[4][0] if step[0] == "call" and step[4] else None,
+                "message": "".join(tb).strip(),
+                "traceback": "".join(traceback.format_list(frames)),
+                "upstream": upstream,
+                "code": getattr(error, "code", None),
+            },
+        }
+
+
+def _to_meta(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return meta_like(a)
+    if isinstance(a, list):
+        return [_to_meta(x) for x in a]
+    return a
+
+
+def _at_path(args: list, kwargs: dict, path: Any) -> Any:
+    if isinstance(path, list):  # (argument, index in a tensor list)
+        return _at_path(args, kwargs, path[0])[path[1]]
+    return args[path] if type(path) is int else kwargs[path]
+
+
+def _reads(step: list) -> list[int]:
+    if step[0] == "call":
+        return [r.index for r in call_refs(step) if type(r) is Slot]
+    if step[0] in ("send", "return", "free"):
+        return [step[1]]
+    return []
+
+
+def _defines(step: list) -> list[int]:
+    if step[0] == "call":
+        return [*step[4], *(slot for _, slot in step[5])]
+    if step[0] == "recv":
+        return [step[1]]
+    return []
+
+
+def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
+    """Reject a malformed step before any step of its program runs."""
+    if not isinstance(step, list) or not step or not isinstance(step[0], str):
+        raise RequestError(f"malformed step {step!r:.80}")
+    kind = step[0]
+    if kind == "call":
+        if (
+            len(step) != 7
+            or not isinstance(step[2], list)
+            or not isinstance(step[3], dict)
+            or not all(isinstance(k, str) for k in step[3])
+            or not isinstance(step[4], list)
+            or not isinstance(step[5], list)
+        ):
+            raise RequestError("a call step is [call, op, args, kwargs, outs, writes, report]")
+        resolve(step[1])
+        for ref in call_refs(step):
+            if type(ref) is Param:
+                params.add(ref.index)
+            elif ref.index >= n_slots:
+                raise RequestError(f"step refers to {ref!r}, beyond the program's values")
+        if not all(type(s) is int and 0 <= s < n_slots for s in step[4]):
+            raise RequestError("call outputs must be slots")
+        for w in step[5]:
+            if not (
+                isinstance(w, list)
+                and len(w) == 2
+                and _is_path(w[0])
+                and type(w[1]) is int
+                and 0 <= w[1] < n_slots
+                and w[1] in step[4]
+            ):
+                raise RequestError("call writes must be [argument path, output slot] pairs")
+        if step[4] and len(step[4]) < len(step[5]):
+            raise RequestError("a call writes more slots than it has outputs")
+    elif kind in ("send", "recv"):
+        if len(step) != 3 or type(step[1]) is not int or not isinstance(step[2], str):
+            raise RequestError(f"a {kind} step is [{kind}, slot, worker]")
+        if not 0 <= step[1] < n_slots:
+            raise RequestError(f"{kind} of slot {step[1]} beyond the program's values")
+    elif kind in ("free", "return"):
+        if len(step) != 2 or type(step[1]) is not int or not 0 <= step[1] < n_slots:
+            raise RequestError(f"a {kind} step is [{kind}, slot]")
+    else:
+        raise RequestError(f"unknown step kind {kind!r}")
+
+
+def _is_path(path: Any) -> bool:
+    """An argument path: a position, a keyword, or [path, index] into a tensor list."""
+    if type(path) is int:
+        return path >= 0
+    if isinstance(path, str):
+        return True
+    return isinstance(path, list) and len(path) == 2 and _is_path(path[0]) and type(path[1]) is int

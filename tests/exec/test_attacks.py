@@ -1,0 +1,423 @@
+"""The adversarial suite: a second peer attacks a worker that also serves a well-behaved client.
+
+Every attack class of the worker-hardening issue is sent by hand from a peer with an endpoint
+of its own: on the local bus, and from a Kubo node of its own on IPFS (the `arena` fixture
+runs each test on both). For each attack:
+- the attacker gets a clear refusal, or only its own session dies;
+- the well-behaved client (`arena.victim`) gets exact results throughout, compared with
+  plain torch on the same inputs;
+- the victim's tensors are unchanged;
+- the worker keeps serving (on IPFS: its process is still alive).
+"""
+
+from __future__ import annotations
+
+import base64
+import gc
+import hashlib
+import os
+import uuid
+
+import pytest
+import torch
+from arena import arena_fixture, attacker_node_fixture  # noqa: F401 (fixtures)
+from hostile import Peer, call, frame, run, tensor_ref
+
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs.transport import pack_blocks
+from gridgraph.exec.worker import worker_topic
+from gridgraph.schedule.plan import Slot
+
+
+def missing_cid() -> str:
+    """The CID of a block nobody has (CIDv1, raw, sha2-256 of random bytes)."""
+    raw = bytes([0x01, 0x55, 0x12, 0x20]) + hashlib.sha256(os.urandom(32)).digest()
+    return "b" + base64.b32encode(raw).decode().lower().rstrip("=")
+
+
+# --- op rules -------------------------------------------------------------------------------
+
+# Each was callable before the allowlist; the first three read or wrote memory that was not
+# the caller's, or crashed the worker.
+FORBIDDEN_CALLS = {
+    "reshape_alias past its storage, then clone (read another client's tensor)": [
+        call("aten::_reshape_alias", [Slot(0), [1 << 16], [1]], [1]),
+        call("aten::clone", [Slot(1)], [2]),
+        ["return", 2],
+    ],
+    "reshape_alias past its storage, then fill_ (segfault)": [
+        call("aten::_reshape_alias", [Slot(0), [1 << 20], [1]], [1]),
+        call("aten::fill_.Scalar", [Slot(1), 7.0], [2]),
+    ],
+    "reshape_alias past its storage, then index_fill_ (overwrite another's tensor)": [
+        call("aten::_reshape_alias", [Slot(0), [1 << 16], [1]], [1]),
+        call("aten::index_fill_.int_Scalar", [Slot(1), 0, Slot(0), 7.0], [2]),
+    ],
+    "_sparse_coo_tensor_unsafe, then add_ (segfault)": [
+        call("aten::_sparse_coo_tensor_unsafe", [Slot(0), Slot(0), [1 << 30]], [1]),
+        call("aten::add_.Tensor", [Slot(1), Slot(1)], [2]),
+    ],
+    "manual_seed (the process-wide generator)": [call("aten::manual_seed", [1234], [1])],
+    "set_ onto another tensor's storage": [
+        call("aten::set_.source_Tensor", [Slot(0), Slot(0)], [1]),
+    ],
+    "_test_ ops": [call("aten::_test_serialization_subcmul", [Slot(0), Slot(0)], [1])],
+    "resize_ of a stored tensor": [call("aten::resize_", [Slot(0), [1 << 20]], [1])],
+    "as_strided_ of a stored tensor": [
+        call("aten::as_strided_", [Slot(0), [1 << 20], [1]], [1]),
+    ],
+    "a nested tensor from a raw buffer": [
+        call("aten::_nested_view_from_buffer", [Slot(0), Slot(0), Slot(0), Slot(0)], [1]),
+    ],
+    "a name outside ATen": [call("os.system", ["echo pwned"], [1])],
+}
+
+
+@pytest.mark.parametrize("attack", list(FORBIDDEN_CALLS), ids=lambda a: a.split(" (")[0])
+def test_ops_outside_the_allowlist_are_refused(arena, attack):
+    arena.attacker_put(1, torch.arange(4.0))
+    program = run(FORBIDDEN_CALLS[attack], [1, 2, 3])
+    reply = arena.refused(program)
+    # Refused by name before anything ran (not failed while running: manual_seed "failed"
+    # only after it had reseeded the process-wide generator).
+    assert "op allowlist" in reply["error"]["message"] or "not an ATen op name" in str(reply)
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+
+
+def test_uninitialised_memory_never_shows_another_clients_data(arena):
+    # The victim frees a tensor full of a marker; the attacker asks for uninitialised memory
+    # of the same size (empty_like and friends), which would likely reuse it.
+    w = {ref.name: ref for ref in arena.victim.workers}
+    marker = torch.full((8192,), 12345.0)
+    for _ in range(3):
+        secret = marker.send(w[arena.target])
+        (secret * 1).compute()
+        del secret
+        gc.collect()
+        arena.victim.stats()  # releases ride along with the next message
+    arena.attacker_put(1, torch.ones(8192))
+    steps = [
+        call("aten::empty_like", [Slot(0)], [1]),
+        call("aten::new_empty", [Slot(0), [8192]], [2]),
+        call("aten::new_empty_strided", [Slot(0), [8192], [1]], [3]),
+        ["return", 1],
+        ["return", 2],
+        ["return", 3],
+    ]
+    reply = arena.attack(run(steps, [1, 2, 3, 4]))
+    assert reply["ok"], reply
+    for _, tensor in reply["returns"]:
+        assert torch.equal(tensor, torch.zeros(8192))
+    arena.check()
+
+
+# --- what a call step may write -------------------------------------------------------------
+
+
+def test_a_write_of_a_non_tensor_is_refused(arena):
+    # `writes` names argument 1, the int 3: it would be stored as value 3 and crash the
+    # worker's lease loop (and stats) later.
+    arena.attacker_put(1, torch.arange(4.0))
+    step = call("aten::mul.Scalar", [Slot(0), 3], [1, 2], writes=[[1, 2]])
+    reply = arena.attack(run([step], [1, 2, 3]))
+    assert reply["ok"] is False, reply
+    assert arena.attack({"kind": "stats"})["ok"]
+    assert arena.attack({"kind": "ping"})["ok"]
+    arena.check()
+
+
+# --- memory bombs ---------------------------------------------------------------------------
+
+
+def test_a_small_message_asking_for_a_huge_tensor_is_refused(arena):
+    # 200 bytes: expand one float to 2**31 elements (a view), then make it contiguous.
+    arena.attacker_put(1, torch.ones(1))
+    steps = [
+        call("aten::expand", [Slot(0), [1 << 31]], [1]),
+        call("aten::clone", [Slot(1)], [2], {"memory_format": torch.contiguous_format}),
+        ["return", 2],
+    ]
+    assert len(wire.encode(run(steps, [1, 2, 3]))) < 400
+    arena.refused(run(steps, [1, 2, 3]), "memory")
+
+
+def test_a_message_that_grows_at_decode_is_refused(arena):
+    # A 7 MB header of tensors over one byte grew a worker by 551 MB.
+    values = [[i, tensor_ref("bool", [1], 0, 1)] for i in range(500_000)]
+    payload = frame({"kind": "put", "id": "bomb", "reply_to": arena.attacker.topic,
+                     "session": arena.attacker.session, "values": values}, b"\x01")  # fmt: skip
+    assert len(payload) > 7_000_000
+    arena.attacker.publish(arena.target, payload)
+    assert arena.attack({"kind": "ping"})["ok"]
+    assert arena.attacker_get(0)["ok"] is False  # nothing was stored
+    arena.check()
+
+
+def test_a_message_over_the_size_limit_is_dropped(arena):
+    if arena.kind == "local":  # 32 MiB, over the arena's limit of 16 MiB
+        put = {"kind": "put", "values": [[1, torch.zeros(1 << 23)]]}
+        arena.attacker.publish(arena.target, arena.attacker.message(put))
+    else:  # an envelope declaring 1 GiB of blocks: refused before any block is fetched
+        refs = [(missing_cid(), 1 << 20) for _ in range(1024)]
+        attacker = arena.attacker.transport  # on the topic name the worker listens to
+        attacker.kubo.pubsub_pub(attacker.wire_topic(worker_topic(arena.target)),
+                                 pack_blocks(refs, 1 << 30))  # fmt: skip
+    assert arena.attack({"kind": "ping"})["ok"]
+    assert arena.attacker_get(1)["ok"] is False
+    arena.check()
+
+
+@pytest.mark.ipfs
+def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, attacker_node, tmp_path):
+    # Each block is looked for for a minute; fetched on the reader thread, 20 of them stalled
+    # every client for 20 minutes (and a stall past the lease freed their tensors). A worker
+    # of its own, so that a stall harms no other test.
+    from ipfs_fixtures import sealed_endpoint, start_workers, stop_all
+
+    workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
+    attacker = sealed_endpoint(attacker_node.api)
+    victim = Peer(sealed_endpoint(kubo_nodes[0].api), resend=1.0)  # a client, by hand
+    try:
+        attacker.wait_for_peers(worker_topic("stalled"), 1, timeout=30)
+        x = torch.arange(8.0)
+        assert victim.request("stalled", {"kind": "put", "values": [[1, x]]})["ok"]
+        for _ in range(3):
+            refs = [(missing_cid(), 1 << 19) for _ in range(2)]
+            topic = attacker.wire_topic(worker_topic("stalled"))  # as the worker listens
+            attacker.kubo.pubsub_pub(topic, pack_blocks(refs, 2 << 19))
+        # Stalled, the worker would not answer for three minutes; it must in seconds.
+        for _ in range(3):
+            assert victim.request("stalled", {"kind": "ping"}, timeout=15)["ok"]
+        triple = run([call("aten::mul.Tensor", [Slot(0), 3.0], [1]), ["return", 1]], [1, 2])
+        assert torch.equal(victim.request("stalled", triple)["returns"][0][1], x * 3)
+        assert all(w.proc.poll() is None for w in workers)
+    finally:
+        stop_all(workers)
+        victim.transport.close()
+        attacker.close()
+
+
+# --- long programs and waits that never end -------------------------------------------------
+
+
+def test_a_program_that_would_run_for_hours_is_refused_or_stopped(arena):
+    # A sum over an expanded view: 200 bytes to send, 2**42 additions to run.
+    arena.attacker_put(1, torch.ones(1))
+    steps = [call("aten::expand", [Slot(0), [1 << 21, 1 << 21]], [1]),
+             call("aten::sum", [Slot(1)], [2]), ["return", 2]]  # fmt: skip
+    rid = arena.attacker.send(arena.target, run(steps, [1, 2, 3]))
+    arena.check()  # served meanwhile
+    reply = arena.attacker.reply(rid, timeout=60)
+    assert reply["ok"] is False and "time" in str(reply["error"]).lower(), reply
+    arena.check()
+
+
+def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
+    arena.attacker_put(1, torch.ones(1))
+    rid = arena.attacker.send(arena.target, run([["recv", 0, arena.other]], [2], run_id=7))
+    for _ in range(3):
+        arena.check()  # served while the attacker's recv waits
+    arena.attacker.publish(
+        arena.target,
+        wire.encode({"kind": "abort", "run": 7, "session": arena.attacker.session}),
+    )
+    assert arena.attacker.reply(rid, timeout=30)["ok"] is False
+    arena.check()
+
+
+def test_a_recv_from_a_worker_that_does_not_exist_fails_at_once(arena):
+    reply = arena.attack(run([["recv", 0, "nobody"]], [2]), timeout=20)
+    assert reply["ok"] is False
+    arena.check()
+
+
+def test_transfers_claiming_to_be_for_the_victim_never_reach_it(arena):
+    # The attacker sends transfers naming the victim's session, runs and value ids, and
+    # itself (or workers that do not exist) as their source.
+    client = f"{arena.victim.client.transport.identity}/{arena.victim.client.session}"
+    poison = torch.full((16, 8), 99.0)
+    for run_id in range(1, 9):
+        for vid in range(1, 16):
+            for src in (arena.attacker.transport.identity, "ghost", arena.other):
+                msg = {"kind": "transfer", "client": client, "run": run_id, "value": vid,
+                       "src": src, "tensor": poison}  # fmt: skip
+                arena.attacker.publish(arena.target, wire.encode(msg))
+    for _ in range(3):
+        arena.check()
+
+
+# --- exactly once, per session ---------------------------------------------------------------
+
+
+def test_other_peers_pings_cannot_make_a_request_run_twice(arena):
+    alice = arena.new_peer("alice")
+    x = torch.arange(4.0)
+    assert alice.request(arena.target, {"kind": "put", "values": [[1, x]]})["ok"]
+    rid = uuid.uuid4().hex
+    add = run([call("aten::add_.Tensor", [Slot(0), 1.0], [1])], [1, 2])
+    assert alice.request(arena.target, add, rid)["ok"]
+    for _ in range(300):
+        arena.attacker.send(arena.target, {"kind": "ping"})
+    assert arena.attack({"kind": "ping"})["ok"]
+    alice.request(arena.target, add, rid)  # the same request again: answered, not run
+    got = alice.request(arena.target, run([["return", 0]], [1], plan=2))
+    assert torch.equal(got["returns"][0][1], x + 1)
+    arena.check()
+
+
+def test_other_peers_programs_cannot_evict_a_sessions_program(arena):
+    alice = arena.new_peer("alice")
+    x = torch.arange(4.0)
+    assert alice.request(arena.target, {"kind": "put", "values": [[1, x]]})["ok"]
+    double = [call("aten::mul.Tensor", [Slot(0), 2.0], [1]), ["return", 1]]
+    assert alice.request(arena.target, run(double, [1, 2], plan=7))["ok"]
+    arena.attacker_put(1, torch.ones(1))
+    for plan in range(100, 300):
+        arena.attacker.send(arena.target, run([["return", 0]], [1], plan=plan))
+    assert arena.attack({"kind": "ping"})["ok"]
+    again = alice.request(arena.target, run(double, [1, 3], plan=7, run_id=2, program=False))
+    assert again["ok"], again
+    assert torch.equal(again["returns"][0][1], 2 * x)
+    arena.check()
+
+
+# --- per-session state: stats and random streams ---------------------------------------------
+
+
+def test_stats_show_and_reset_only_the_callers_own(arena):
+    arena.check()
+    before = arena.victim.stats()["workers"][arena.target]
+    mine = arena.attack({"kind": "stats", "reset": True})
+    assert mine["ok"] and mine["objects"] == 0 and mine["ops_run"] == 0, mine
+    after = arena.victim.stats()["workers"][arena.target]
+    assert after["ops_run"] == before["ops_run"] > 0
+    assert after["objects"] == before["objects"] > 0
+    arena.check()
+
+
+def test_another_peer_cannot_reseed_the_victims_random_stream(arena):
+    w = {ref.name: ref for ref in arena.victim.workers}
+    p = torch.zeros(64).send(w[arena.target])
+    w[arena.target].manual_seed(1234)
+    first = torch.randn_like(p).get()
+    assert arena.attack({"kind": "seed", "seed": 999})["ok"]
+    arena.attacker_put(1, torch.zeros(64))
+    assert arena.attack(run([call("aten::randn_like", [Slot(0)], [1])], [1, 2]))["ok"]
+    second = torch.randn_like(p).get()
+    expected = torch.randn(2, 64, generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    arena.check()
+
+
+# --- bad messages change nothing --------------------------------------------------------------
+
+
+def test_a_refused_request_frees_nothing(arena):
+    arena.attacker_put(1, torch.arange(4.0))
+    bad = run([call("aten::_reshape_alias", [Slot(0), [64], [1]], [1])], [1, 2])
+    assert arena.attack({**bad, "free": [1]})["ok"] is False
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+    assert arena.attack({"kind": "nonsense", "free": [1]})["ok"] is False
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+    arena.check()
+
+
+def test_another_session_cannot_use_or_free_the_victims_values(arena):
+    # The attacker names the victim's own session id and value ids.
+    arena.attacker.session = arena.victim.client.session
+    vid = arena.x._vid
+    assert arena.attack(run([["return", 0]], [vid]))["ok"] is False
+    assert arena.attack({"kind": "free", "free": [vid]})["ok"]  # its own (absent) value
+    assert arena.attack({"kind": "bye"})["ok"]
+    arena.check()
+
+
+MALFORMED = {
+    "call outputs not a list": run([call("aten::add.Tensor", [Slot(0), Slot(0)], 5)], [1]),
+    "call step too short": run([["call", "aten::add.Tensor"]], [1]),
+    "kwargs with a non-string key": run(
+        [call("aten::add.Tensor", [Slot(0), Slot(0)], [0], {1: 2})], [1]
+    ),
+    "writes not pairs": run([call("aten::add_.Tensor", [Slot(0), 1.0], [0], writes=[[0]])], [1]),
+    "writes a path that does not exist": run(
+        [call("aten::add_.Tensor", [Slot(0), 1.0], [0, 0], writes=[[9, 0]])], [1]
+    ),
+    "a slot beyond the program": run([call("aten::neg", [Slot(99)], [0])], [1]),
+    "a negative slot": run([["return", -1]], [1]),
+    "send to a non-name": run([["send", 0, 5]], [1]),
+    "recv without a source": run([["recv"]], [1]),
+    "free of a non-slot": run([["free", "x"]], [1]),
+    "a step that is not a list": run([42], [1]),
+    "an unknown step kind": run([["explode", 0]], [1]),
+    "deeply nested arguments": run([call("aten::neg", [[[[[[[[[[Slot(0)]]]]]]]]]], [0])], [1]),
+    "params that are not pairs": {**run([["return", 0]], [1]), "params": [[0]]},
+    "param of a non-int index": {**run([["return", 0]], [1]), "params": [["a", 1.0]]},
+    "slots that are not ids": run([["return", 0]], ["a"]),
+    "a run without a plan": {"kind": "run", "slots": [1], "params": []},
+    "a run of an unknown plan": run([["return", 0]], [1], plan=424242, program=False),
+    "put values that are not pairs": {"kind": "put", "values": [[1, 2]]},
+    "put values that are not a list": {"kind": "put", "values": "x"},
+    "a seed that is not an int": {"kind": "seed", "seed": "x"},
+    "free that is not a list": {"kind": "free", "free": "x"},
+    "free of non-ids": {"kind": "free", "free": [1.5]},
+    "an unknown kind": {"kind": "explode"},
+    "a wrong argument type at run time": run(
+        [call("aten::add.Tensor", [Slot(0), "text"], [1])], [1, 2]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_every_malformed_request_gets_an_error_reply(arena, name):
+    arena.attacker_put(1, torch.arange(4.0))
+    reply = arena.attack(MALFORMED[name], timeout=20)
+    assert reply["ok"] is False, reply
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+    arena.check()
+
+
+HOSTILE_TENSORS = {
+    "two tensors over the same bytes": (
+        [[1, tensor_ref("float32", [16], 0, 64)], [2, tensor_ref("float32", [8], 0, 32)]],
+        bytes(64),
+    ),
+    "bool bytes other than 0 and 1": ([[1, tensor_ref("bool", [4], 0, 4)]], bytes([0, 1, 2, 255])),
+    "a tensor past the end of the message": (
+        [[1, tensor_ref("float32", [1 << 20], 0, 4 << 20)]], bytes(64)
+    ),
+    "a shape that does not match its bytes": (
+        [[1, tensor_ref("float32", [1 << 40], 0, 64)]], bytes(64)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_TENSORS))
+def test_hostile_tensors_are_refused_at_decode(arena, name):
+    values, data = HOSTILE_TENSORS[name]
+    header = {"kind": "put", "id": uuid.uuid4().hex, "reply_to": arena.attacker.topic,
+              "session": arena.attacker.session, "values": values}  # fmt: skip
+    arena.attacker.publish(arena.target, frame(header, data))
+    assert arena.attack({"kind": "ping"})["ok"]
+    for vid in (1, 2):
+        assert arena.attacker_get(vid)["ok"] is False  # nothing was stored
+    arena.check()
+
+
+def test_garbage_bytes_change_nothing(arena):
+    gen = torch.Generator().manual_seed(7)
+    for n in (0, 1, 3, 4, 5, 64, 1000, 100_000):
+        arena.attacker.publish(
+            arena.target, bytes(torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8))
+        )
+    arena.attacker.publish(arena.target, (10**9).to_bytes(4, "little") + b"x" * 10)
+    assert arena.attack({"kind": "ping"})["ok"]
+    arena.check()
+
+
+def test_the_victim_stays_exact_while_the_attacker_floods(arena):
+    # Many attacks in flight at once, without waiting for replies.
+    arena.attacker_put(1, torch.ones(1))
+    for attack in list(FORBIDDEN_CALLS.values())[:3] + list(MALFORMED.values())[:10]:
+        arena.attacker.send(arena.target, run(attack, [1, 2, 3]) if isinstance(attack, list)
+                            else attack)  # fmt: skip
+        arena.check()

@@ -1,0 +1,92 @@
+"""Executor processes: each session's programs run apart, and a lost one ends only its session.
+
+`gg.local_grid(n, isolate=True)` runs its workers' executors as processes, as `gridgraph
+worker` does on IPFS; every value is compared with plain torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from local_peer import Peer, add_one_in_place, second_client
+
+import gridgraph as gg
+from gridgraph.exec.limits import Limits
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    """Two isolating workers, shared by the tests of this file (the forkserver starts once)."""
+    with gg.local_grid(2, isolate=True) as grid:
+        yield grid
+
+
+def executor_pid(grid: gg.Grid, worker: int, client: gg.Grid) -> int:
+    key = f"{client.client.transport.identity}/{client.client.session}"
+    return grid.local_workers[worker].sessions[key].executor.process.pid
+
+
+def test_programs_run_in_a_process_of_their_own_with_the_same_results(isolated):
+    w0, w1 = isolated.workers
+    a, b = torch.randn(30, 20), torch.randn(20, 10)
+    x, y = a.send(w0), b.send(w1)
+    with gg.trace():
+        z = torch.relu(x @ y).sum(0)
+    assert torch.allclose(z.get(), torch.relu(a @ b).sum(0))
+    pids = {executor_pid(isolated, i, isolated) for i in (0, 1)}
+    assert os.getpid() not in pids and len(pids) == 2
+    stats = isolated.stats()["workers"]
+    assert stats["w0"]["objects"] >= 1 and stats["w0"]["ops_run"] >= 1
+
+
+def test_a_large_tensor_goes_through_shared_memory_exactly(isolated):
+    a = torch.randn(3_000_000)  # 12 MB: over the inline size, so a memfd carries it
+    x = a.send(isolated.workers[1])
+    assert torch.equal((x * 2).get(), a * 2)
+
+
+def test_exactly_once_holds_in_an_executor(isolated):
+    peer = Peer(isolated, "replayer")
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.zeros(3)]]})["ok"]
+    rid = "fixed-id"
+    assert peer.request("w0", add_one_in_place(1), rid)["ok"]
+    for _ in range(300):
+        assert Peer(isolated, "noise").request("w0", {"kind": "ping"})["ok"]
+    assert peer.request("w0", add_one_in_place(1), rid)["ok"]
+    fetch = {"kind": "run", "run": 2, "plan": 2, "program": [[["return", 0]]], "slots": [2],
+             "params": []}  # fmt: skip
+    assert torch.equal(peer.request("w0", fetch)["returns"][0][1], torch.ones(3))
+
+
+def test_a_crashed_executor_ends_only_its_session(isolated):
+    other = second_client(isolated, "victim-of-crash")
+    a, b = torch.randn(8), torch.randn(8)
+    mine, theirs = a.send(isolated.workers[0]), b.send(other.workers[0])
+    elsewhere = b.send(other.workers[1])
+    os.kill(executor_pid(isolated, 0, other), signal.SIGKILL)  # as a kernel crash would
+    with pytest.raises(gg.SessionLost, match="killed") as lost:
+        (theirs + 1).get()
+    assert lost.value.worker == "w0"
+    with pytest.raises(gg.SessionLost):  # and it stays lost, saying why
+        (theirs * 2).get()
+    assert torch.equal((elsewhere + 1).get(), b + 1)  # its session on w1 carries on
+    assert torch.equal((mine + 1).get(), a + 1)  # and so does every other client
+    other.close()
+
+
+def test_a_single_op_past_the_time_limit_is_killed_and_ends_only_its_session():
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1), isolate=True) as grid:
+        other = second_client(grid, "patient")
+        a = torch.randn(4)
+        ok = a.send(other.workers[0])
+        m = torch.randn(2500, 2500, dtype=torch.float64).send(grid.workers[0])
+        start = time.monotonic()
+        with pytest.raises(gg.SessionLost, match=r"time limit of 1 s"):
+            torch.linalg.eig(m)[0].get()  # one op of many seconds: only a kill stops it
+        assert time.monotonic() - start < 30
+        assert torch.equal((ok * 3).get(), a * 3)
+        other.close()

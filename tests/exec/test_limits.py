@@ -1,0 +1,192 @@
+"""Per-client limits: memory and time checked before a program runs, rate, size, sessions.
+
+Workers of `gg.local_grid(..., limits=...)` grant each client the budgets `gridgraph worker`
+grants on IPFS; every result is compared with plain torch.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from local_peer import Peer
+
+import gridgraph as gg
+from gridgraph.exec.limits import Limits, RateLimiter, format_size, parse_size
+from gridgraph.schedule.plan import Slot
+
+GiB = 1 << 30
+
+
+def test_sizes_parse_and_print():
+    assert parse_size("1GiB") == GiB and parse_size("512MiB") == GiB // 2
+    assert parse_size("2e9") == 2 * 10**9 and parse_size("1.5GB") == 15 * 10**8
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("lots")
+    assert format_size(GiB) == "1.0 GiB"
+
+
+def test_an_over_limit_program_is_refused_before_anything_runs():
+    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+        peer = Peer(grid)
+        a = torch.randn(4)
+        assert peer.request("w0", {"kind": "put", "values": [[1, a]]})["ok"]
+        add = ["call", "aten::add_.Tensor", [Slot(0), 1], {}, [1], [], False]  # would run first
+        expand = ["call", "aten::expand.default", [Slot(1), [1 << 26, 4]], {}, [2], [], False]
+        copy = ["call", "aten::clone.default", [Slot(2)], {}, [3], [], False]  # 1 GiB
+        msg = {"kind": "run", "run": 1, "plan": 1, "slots": [1, 2, 3, 4], "params": [],
+               "program": [[add, expand, copy]]}  # fmt: skip
+        reply = peer.request("w0", msg)
+        assert not reply["ok"] and "memory limit of 1.0 GiB" in reply["error"]["message"]
+        session = grid.local_workers[0].sessions["mallory/s"]
+        assert session.ops_run == 0 and len(session.store) == 1
+        fetch = {"kind": "run", "run": 2, "plan": 2, "slots": [1], "params": [],
+                 "program": [[["return", 0]]]}  # fmt: skip
+        assert torch.equal(peer.request("w0", fetch)["returns"][0][1], a)  # add_ never ran
+        x = a.send(grid.workers[0])  # the client computes within its limit
+        assert torch.equal((x * 2).get(), a * 2)
+
+
+def test_an_over_limit_program_from_a_client_raises_naming_the_limit():
+    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+        x = torch.randn(4).send(grid.workers[0])
+        with gg.trace():
+            big = x[:1].expand(1 << 28).contiguous()
+        with pytest.raises(gg.RemoteError, match=r"memory limit of 1\.0 GiB"):
+            big.compute()
+        assert grid.stats()["workers"]["w0"]["ops_run"] == 0
+
+
+def test_a_put_over_the_memory_limit_is_refused_and_stores_nothing():
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        kept = torch.randn(1000).send(grid.workers[0])
+        with pytest.raises(gg.RemoteError, match="memory limit of 1.0 MiB"):
+            torch.zeros(1 << 18).send(grid.workers[0])  # exactly 1 MiB, on top of kept
+        assert grid.stats()["workers"]["w0"]["objects"] == 1
+        assert kept.get().shape == (1000,)
+
+
+def test_a_program_clearly_over_the_time_limit_is_refused_before_it_runs():
+    with gg.local_grid(1, limits=Limits(max_request_seconds=10)) as grid:
+        x = torch.ones(1).send(grid.workers[0])
+        with gg.trace():  # 200 bytes to send, hours to run
+            total = x.expand(10**6, 10**7).sum()
+        with pytest.raises(gg.RemoteError, match=r"time limit of 10 s"):
+            total.get()
+        assert grid.stats()["workers"]["w0"]["ops_run"] == 0
+
+
+def test_a_program_running_past_the_time_limit_is_stopped_and_undone():
+    with gg.local_grid(1, limits=Limits(max_request_seconds=0.2)) as grid:
+        m = torch.randn(256, 256) / 16
+        p = m.send(grid.workers[0])
+        before = grid.stats()["workers"]["w0"]["objects"]
+        with gg.trace():
+            y = p
+            for _ in range(3000):  # each step is quick; all of them take seconds
+                y = torch.tanh(y @ p)
+        with pytest.raises(gg.RemoteError, match=r"time limit"):
+            y.get()
+        assert grid.stats()["workers"]["w0"]["objects"] == before  # nothing left behind
+        assert torch.equal((p + 1).get(), m + 1)  # the session survives
+
+
+def test_each_peer_gets_its_own_request_rate():
+    limits = Limits(requests_per_second=0.01, request_burst=5)
+    with gg.local_grid(1, limits=limits) as grid:
+        flood, polite = Peer(grid, "flood"), Peer(grid, "polite")
+        replies = [flood.request("w0", {"kind": "ping"}) for _ in range(8)]
+        assert [r["ok"] for r in replies] == [True] * 5 + [False] * 3
+        assert "rate limit" in replies[-1]["error"]["message"]
+        assert all(polite.request("w0", {"kind": "ping"})["ok"] for _ in range(5))
+
+
+def test_the_rate_limiter_refills_over_time():
+    bucket = RateLimiter(rate=1000.0, burst=2)
+    assert bucket.allow("p") and bucket.allow("p") and not bucket.allow("p")
+    threading.Event().wait(0.01)
+    assert bucket.allow("p")
+
+
+def test_a_message_over_the_size_limit_is_dropped_unread():
+    with gg.local_grid(1, limits=Limits(max_message_bytes=4096)) as grid:
+        peer = Peer(grid)
+        peer.send("w0", {"kind": "put", "values": [[1, torch.zeros(2048)]]})
+        assert peer.no_reply_within(0.5)
+        assert not grid.local_workers[0].sessions  # nothing was even decoded
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+
+
+def test_a_peer_holds_at_most_its_share_of_sessions_and_a_new_one_evicts_its_oldest():
+    with gg.local_grid(1, limits=Limits(sessions_per_peer=2)) as grid:
+        peers = [Peer(grid, "many", session=f"s{i}") for i in range(3)]
+        for peer in peers:
+            assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+        assert not any(k.endswith("/s0") for k in grid.local_workers[0].sessions)
+        fetch = {"kind": "run", "run": 1, "plan": 1, "program": [[["return", 0]]],
+                 "slots": [1], "params": []}  # fmt: skip
+        assert "not stored here" in peers[0].request("w0", fetch)["error"]["message"]
+        assert torch.equal(peers[2].request("w0", fetch)["returns"][0][1], torch.ones(2))
+        x = torch.randn(3)  # another peer's sessions are never evicted for it
+        assert torch.equal((x.send(grid.workers[0]) + 1).get(), x + 1)
+
+
+def test_a_blocked_recv_delays_no_other_client_and_ends_with_its_session(local_grid):
+    peer = Peer(local_grid)
+    wait_forever = {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
+                    "program": [[["recv", 0, "w1"]]]}  # fmt: skip
+    rid = peer.send("w0", wait_forever)  # nobody will send it
+    x = torch.randn(8)
+    for _ in range(5):  # the other client is served meanwhile
+        assert torch.equal((x.send(local_grid.workers[0]) * 2).get(), x * 2)
+    peer.send("w0", {"kind": "abort", "run": 1})
+    reply = peer.reply(rid, timeout=5)
+    assert not reply["ok"] and "aborted" in reply["error"]["message"]
+
+
+def test_a_recv_takes_its_value_only_from_the_worker_its_program_names(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w2", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
+    recv = {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
+            "program": [[["recv", 0, "w1"], ["return", 0]]]}  # fmt: skip
+    rid = peer.send("w0", recv)
+    send = {**recv, "program": [[["send", 0, "w0"]]]}  # the right value, the wrong worker
+    assert peer.request("w2", send)["ok"]
+    assert peer.no_reply_within(0.5)  # still waiting for w1
+    peer.send("w0", {"kind": "abort", "run": 1})
+    assert "aborted" in peer.reply(rid)["error"]["message"]
+
+
+def test_limits_default_for_workers_and_local_grids():
+    worker = Limits()
+    assert worker.max_client_memory == 4 * GiB and worker.max_request_seconds == 300
+    local = gg.local_grid(1)
+    assert local.local_workers[0].limits == Limits.unlimited()
+    local.close()
+
+
+def test_an_in_place_write_to_a_view_counts_no_new_memory():
+    with gg.local_grid(1, limits=Limits(max_client_memory=5 << 20)) as grid:
+        a = torch.zeros(1 << 20)  # 4 MiB of the 5 MiB budget
+        x = a.send(grid.workers[0])
+        with gg.trace():
+            x[: 1 << 19].add_(1)  # writes through a view: nothing new to hold
+        x.compute()
+        assert x.sum().item() == 1 << 19
+
+
+def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
+    step = ["call", "aten::expand.default", [Slot(0), [1 << 20, 4]], {}, [1], [], False]
+    contiguous = ["call", "aten::clone.default", [Slot(1)], {}, [2], [], False]
+    with gg.local_grid(2, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w1", {"kind": "put", "values": [[1, torch.ones(1, 4)]]})["ok"]
+        send = {"kind": "run", "run": 1, "plan": 1, "slots": [1, 2, 3], "params": [],
+                "program": [[["send", 0, "w0"]]]}  # fmt: skip
+        recv = {**send, "program": [[["recv", 0, "w1"], step, contiguous]]}
+        rid = peer.send("w0", recv)
+        assert peer.request("w1", send)["ok"]
+        reply = peer.reply(rid)
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"]
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the expand only

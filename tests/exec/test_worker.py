@@ -1,0 +1,197 @@
+"""The worker's per-session state and exactly-once serving, from a second peer on the bus.
+
+Each test drives a live `gg.local_grid` worker with hand-made requests from an endpoint of
+its own (`Peer`), beside the grid's ordinary client, and checks values against plain torch.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import hostile
+import pytest
+import torch
+from local_peer import Peer, add_one_in_place, second_client
+
+import gridgraph as gg
+from gridgraph.schedule.plan import Slot
+
+# --- exactly once ----------------------------------------------------------------------------
+
+
+def test_a_request_id_runs_once_per_session_whatever_other_peers_send(local_grid):
+    victim, attacker = Peer(local_grid, "victim"), Peer(local_grid, "attacker")
+    x = torch.arange(4.0)
+    assert victim.request("w0", {"kind": "put", "values": [[1, x]]})["ok"]
+    rid = uuid.uuid4().hex
+    assert victim.request("w0", add_one_in_place(1), rid)["ok"]
+    for _ in range(300):  # a shared 256-entry reply cache forgot the victim's reply here
+        assert attacker.request("w0", {"kind": "ping"})["ok"]
+    again = victim.request("w0", add_one_in_place(1), rid)  # the victim's resend
+    assert again["ok"]
+    fetch = {"kind": "run", "run": 2, "plan": 2, "program": [[["return", 0]]], "slots": [2],
+             "params": []}  # fmt: skip
+    [[_, value]] = victim.request("w0", fetch)["returns"]
+    assert torch.equal(value, x + 1)  # added once
+
+
+def test_resends_while_the_request_is_queued_or_running_do_not_run_it_again(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.zeros(3)]]})["ok"]
+    rid = peer.send("w0", add_one_in_place(1))
+    for _ in range(5):
+        peer.send("w0", add_one_in_place(1), rid)
+    first = peer.reply(rid)
+    assert first["ok"]
+    # A copy that came after the reply went out is answered again (its reply may have been
+    # lost), with the same reply; none runs the request again.
+    while not peer.no_reply_within(0.5):
+        pass
+    fetch = {"kind": "run", "run": 2, "plan": 2, "program": [[["return", 0]]], "slots": [2],
+             "params": []}  # fmt: skip
+    assert torch.equal(peer.request("w0", fetch)["returns"][0][1], torch.ones(3))
+
+
+def test_a_reply_that_cannot_be_encoded_is_an_error_reply_and_is_not_run_again(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
+    to_uint16 = ["call", "aten::_to_copy.default", [Slot(0)], {"dtype": 27}, [1], [], False]
+    msg = {"kind": "run", "run": 1, "plan": 1, "program": [[to_uint16, ["return", 1]]],
+           "slots": [1, 2], "params": []}  # fmt: skip
+    rid = uuid.uuid4().hex
+    reply = peer.request("w0", msg, rid)  # torch.uint16 is not a wire dtype
+    assert not reply["ok"] and "could not be encoded" in reply["error"]["message"]
+    worker = local_grid.local_workers[0]
+    ops = worker.sessions[f"mallory/{peer.session}"].ops_run
+    assert peer.request("w0", msg, rid) == reply  # the resend is answered, not run
+    assert worker.sessions[f"mallory/{peer.session}"].ops_run == ops
+
+
+def test_every_malformed_request_gets_one_error_reply(local_grid):
+    peer = Peer(local_grid)
+    bad = [
+        {"kind": "nonsense"},
+        {"kind": "run"},
+        {"kind": "run", "run": 1, "plan": 1, "slots": ["x"], "params": []},
+        {"kind": "run", "run": 1, "plan": 1, "slots": [], "params": [[0]]},
+        {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [], "program": "x"},
+        {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
+         "program": [[["call", "aten::add.Tensor", [Slot(0)], {}, [0], [["x", "y"]], False]]]},
+        {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
+         "program": [[["call", "aten::add.Tensor", [Slot(0)], {1: 2}, [0], [], False]]]},
+        {"kind": "run", "run": 1, "plan": 9, "slots": [1], "params": []},
+        {"kind": "put", "values": [[1, 2]]},
+        {"kind": "put", "values": "x"},
+        {"kind": "seed", "seed": "x"},
+        {"kind": "ping", "free": "x"},
+        {"kind": "ping", "free": [1.5]},
+    ]  # fmt: skip
+    for msg in bad:
+        reply = peer.request("w0", msg, uuid.uuid4().hex)
+        assert not reply["ok"] and reply["error"]["message"], msg
+    assert peer.no_reply_within(0.3)
+    assert peer.request("w0", {"kind": "ping"})["ok"]
+
+
+def test_a_refused_request_changes_nothing_not_even_its_frees(local_grid):
+    a = torch.randn(5)
+    x = a.send(local_grid.workers[0])
+    me = local_grid.client
+    peer = hostile.Peer(me.transport, me.session)  # the client's own session and identity
+    refused = {"kind": "run", "run": 99, "plan": 99, "slots": [x._vid], "params": [],
+               "program": [[["bogus", 0]]], "free": [x._vid]}  # fmt: skip
+    assert not peer.request("w0", refused)["ok"]
+    assert not peer.request("w0", {"kind": "seed", "seed": None, "free": [x._vid]})["ok"]
+    assert torch.equal(x.get(), a)
+
+
+def test_frees_of_a_refused_request_go_out_again_with_the_next_one():
+    limits = gg.Limits(max_client_memory=1 << 20)
+    with gg.local_grid(1, limits=limits) as grid:
+        w0 = grid.workers[0]
+        keep, drop = torch.ones(1000).send(w0), torch.ones(1000).send(w0)
+        del drop  # its release rides on the next request
+        big = torch.ones(1).send(w0)
+        with pytest.raises(gg.RemoteError, match="memory limit"), gg.trace():
+            big.expand(1 << 20).contiguous().get()  # refused: frees nothing
+        assert grid.stats()["workers"]["w0"]["objects"] == 2  # the next request freed it
+        assert torch.equal(keep.get(), torch.ones(1000))
+
+
+def test_a_call_cannot_store_a_non_tensor_and_the_worker_keeps_serving(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+    writes_an_int = ["call", "aten::add.Scalar", [Slot(0), 5], {}, [1, 2], [[1, 2]], False]
+    msg = {"kind": "run", "run": 1, "plan": 1, "program": [[writes_an_int]], "slots": [1, 2, 3],
+           "params": []}  # fmt: skip
+    reply = peer.request("w0", msg)
+    assert not reply["ok"] and "not a tensor" in reply["error"]["message"]
+    worker = local_grid.local_workers[0]
+    worker.expire_clients(lease=3600)  # the lease check reads every session's memory
+    assert len(worker.sessions[f"mallory/{peer.session}"].store) == 1
+    x = torch.randn(3)
+    assert torch.equal((x.send(local_grid.workers[0]) * 2).get(), x * 2)
+
+
+# --- per-session state -----------------------------------------------------------------------
+
+
+def test_another_peers_programs_do_not_evict_mine(local_grid):
+    x = torch.randn(8)
+    p = x.send(local_grid.workers[0])
+    assert torch.equal((p * 3).get(), x * 3)  # the programs are on w0 now
+    local_grid.reset_stats()
+    assert torch.equal((p * 3).get(), x * 3)
+    messages = local_grid.stats()["messages"]  # two runs, two replies, no program
+    attacker = Peer(local_grid)
+    for plan in range(200):
+        ret = {"kind": "run", "run": plan, "plan": plan, "program": [[["free", 0]]],
+               "slots": [1], "params": []}  # fmt: skip
+        assert attacker.request("w0", ret)["ok"]
+    local_grid.reset_stats()
+    assert torch.equal((p * 3).get(), x * 3)
+    assert local_grid.stats()["messages"] == messages == 4  # no program had to be resent
+
+
+def test_manual_seed_affects_only_the_callers_random_stream(local_grid):
+    other = second_client(local_grid)
+    w0, o0 = local_grid.workers[0], other.workers[0]
+    w0.manual_seed(7)
+    x = torch.zeros(4).send(w0)
+    first = torch.randn_like(x).get()
+    o0.manual_seed(123)  # another client reseeds: mine carries on
+    torch.randn_like(torch.zeros(4).send(o0)).get()
+    second = torch.randn_like(x).get()
+    torch.manual_seed(7)
+    assert torch.equal(first, torch.randn(4)) and torch.equal(second, torch.randn(4))
+    other.close()
+
+
+def test_stats_are_per_client(local_grid):
+    other = second_client(local_grid)
+    mine = torch.ones(10).send(local_grid.workers[1])
+    theirs = [torch.ones(100).send(other.workers[1]) for _ in range(3)]
+    (mine + 1).compute()
+    before = local_grid.stats()["workers"]["w1"]
+    assert before["objects"] == 1 and before["stored_bytes"] == 40 and before["ops_run"] == 1
+    other.reset_stats()  # resets only the other client's counters
+    assert local_grid.stats()["workers"]["w1"] == before
+    assert other.stats()["workers"]["w1"]["objects"] == len(theirs)
+    other.close()
+
+
+def test_bye_frees_everything_the_session_held(local_grid):
+    other = second_client(local_grid)
+    x = torch.randn(50).send(other.workers[2])
+    (x * 2).get()
+    worker = local_grid.local_workers[2]
+    [session] = [s for k, s in worker.sessions.items() if k.startswith("bob/")]
+    assert session.memory() > 0 and session.records and session.programs
+    other.close()
+    assert not [k for k in worker.sessions if k.startswith("bob/")]
+    assert session.memory() == 0 and not session.records and not session.programs
+    late = Peer(local_grid, "bob", other.client.session)  # a late request of that session
+    fetch = {"kind": "run", "run": 9, "plan": 9, "program": [[["return", 0]]],
+             "slots": [x._vid], "params": []}  # fmt: skip
+    reply = late.request("w2", fetch)  # finds nothing left of it
+    assert not reply["ok"] and "not stored here" in reply["error"]["message"]
