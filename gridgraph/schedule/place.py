@@ -119,8 +119,7 @@ def alias_units(nodes: list[Node], values: Mapping[int, Value]) -> Units:
             if v is None:
                 continue
             s = v.storage
-            if v.meta.nbytes > size.get(s, 0):
-                size[s] = v.meta.nbytes
+            size[s] = max(size.get(s, 0), v.meta.nbytes)  # a storage may hold zero bytes
             other = unit_of.get(s)
             if other is None:
                 u = i if u < 0 else u
