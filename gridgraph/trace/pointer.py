@@ -6,7 +6,8 @@ call on it is recorded (`record.py`). Autograd runs above it unchanged, so `requ
 
 A pointer names one value id at a time. An in-place op rebinds it to the value that op
 produces (the same storage on the worker), which is how `x.add_(1)` keeps `x` meaning "the
-latest contents of x".
+latest contents of x". An in-place op that changes the shape or strides (`x.t_()`,
+`x.squeeze_()`, `x.resize_(n)`) also gives the pointer the new layout, as torch does.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ class RemoteTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return record(func, args, kwargs or {}, RemoteTensor)
+
+    def _set_meta(self, meta: TensorMeta) -> None:
+        """Take the shape, strides and offset an in-place op gave this tensor (transpose_,
+        squeeze_, resize_, as_strided_ ...). The pointer's storage is a data-less stand-in:
+        a fresh one of the size the new layout needs keeps torch's bounds checks happy."""
+        stand_in = torch.Tensor._make_wrapper_subclass(
+            RemoteTensor, meta.shape, strides=meta.stride, storage_offset=meta.offset,
+            dtype=meta.dtype, device="cpu",
+        )  # fmt: skip
+        with torch._C._DisableTorchDispatch():  # set_ here must not be recorded
+            torch.ops.aten.set_.source_Storage_storage_offset(
+                self, stand_in.untyped_storage(), meta.offset, meta.shape, meta.stride
+            )
 
     # --- what users call ---------------------------------------------------------------------
 

@@ -293,6 +293,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     results: list[Any] = []
     outputs: list[int] = []
     covered_writes: set[Any] = set()
+    restrides: list[tuple[Any, TensorMeta]] = []  # pointers whose shape the op changes
     for i, meta in enumerate(spec.metas):
         if meta is None:  # the op returned no tensor here
             results.append(None)
@@ -312,11 +313,8 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
             storage = graph.values[base._vid].storage
             value = graph.add_value(meta, storage=storage, producer=node.id)
             if is_write:
-                if meta != graph.values[base._vid].meta:
-                    raise RecordError(
-                        f"{op} changes the shape or strides of a tensor in place, which "
-                        "remote tensors do not support; use the out-of-place form"
-                    )
+                if meta != graph.values[base._vid].meta:  # transpose_, squeeze_, resize_ ...
+                    restrides.append((base, meta))
                 covered_writes.add(path if not isinstance(arg, (list, tuple)) else (path, i))
                 results.append(base)
             else:
@@ -349,6 +347,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         p = _pointer_at(args, kwargs, path)
         undo.append((p, p._vid))
         owner.rebind(p, vid)
+    shaped_before = [(p, TensorMeta.of(p)) for p, _ in restrides]
+    for p, meta in restrides:
+        p._set_meta(meta)
     out = [r if r is None or isinstance(r, pointer_type) else owner.make_pointer(r)
            for r in results]  # fmt: skip
     try:
@@ -357,6 +358,8 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         # Nothing ran: leave every pointer naming what it named before the call.
         for p, vid in reversed(undo):
             owner.rebind(p, vid)
+        for p, meta in shaped_before:
+            p._set_meta(meta)
         owner.discard(node)
         raise
     return _structure(spec.kind, out)

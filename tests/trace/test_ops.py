@@ -192,6 +192,57 @@ def test_mutation_matches_torch(grid, fn, inputs, traced):
     check(grid, fn, *inputs, traced=traced, exact=True)
 
 
+# Tensors with no elements: recorded, placed, split, sent and run like any other.
+EMPTY_CASES = {
+    "matmul": (lambda a, b: a @ b, r(0, 3), r(3, 2)),
+    "cat_reduce": (lambda a, b: (torch.cat([a, b]), a.sum(0), b.mean(1)), r(0, 3), r(2, 3)),
+    "views": (lambda a: (a.t(), a.view(3, 0), a[:, 1:], a.unsqueeze(1)), r(0, 3)),
+    "inplace": (lambda a: a.add_(1).mul_(2), r(2, 0)),
+    "empty_to_full": (lambda a, b: b + a.sum(), r(0), r(4)),
+}
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
+def test_zero_element_tensors(local_grid, name, traced):
+    fn, *inputs = EMPTY_CASES[name]
+    check(local_grid, fn, *inputs, traced=traced, exact=True)
+
+
+def _shape_in_place(a, b):
+    a.t_()  # (3, 2) -> (2, 3)
+    a.unsqueeze_(0).transpose_(0, 2)  # (3, 2, 1)
+    a.squeeze_(2).swapdims_(0, 1)  # (2, 3)
+    return a.shape, a + b, a.stride(), a.contiguous()
+
+
+def _resize_and_restride(a):
+    a.as_strided_((2, 2), (1, 3), 1)
+    b = a * 1
+    a.resize_(3)  # shrinks: the first three elements of the storage stay
+    return b, a.shape, a.clone()
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize(
+    "fn, inputs",
+    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),))],
+    ids=["squeeze_unsqueeze_transpose", "as_strided_resize"],
+)
+def test_in_place_shape_changes_match_torch(grid, fn, inputs, traced):
+    """In-place ops that change shape or strides rebind the pointer with the new layout."""
+    check(grid, fn, *inputs, traced=traced, exact=True)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_that_change_shapes_in_place_inside(local_grid, traced):
+    """matmul with a 1-D operand, quantile and stft use squeeze_ / transpose_ internally."""
+    window = torch.hann_window(8)
+    fn = lambda a, b, c: (a @ b, b.t() @ a, torch.quantile(b, 0.3, dim=1),  # noqa: E731
+                          torch.stft(c, 8, window=window, return_complex=True))  # fmt: skip
+    check(local_grid, fn, r(3), r(3, 4), r(64), traced=traced)
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_batch_norm_updates_running_stats(grid, traced):
     x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
