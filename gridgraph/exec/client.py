@@ -35,7 +35,7 @@ from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
-from gridgraph.schedule.place import place
+from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
 from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta
@@ -237,6 +237,10 @@ class Client:
             plan = None if dynamic else self.plans.get(key)
             if plan is None:
                 try:
+                    moves = storage_moves(nodes, values)
+                    if moves:  # a cached plan never has split homes: only a miss can
+                        self._move_storages(moves)
+                        key, slots = signature(nodes, values, keep, fetch, dynamic)
                     placement = self.place(nodes, values, self.workers)
                 except PlacementError as e:
                     self._forget_run(nodes, [], keep, e)  # nothing ran: no frees either
@@ -261,6 +265,40 @@ class Client:
                 if vid not in keep:
                     values.pop(vid, None)
             return plan, replies
+
+    def _move_storages(self, moves: dict[int, str]) -> None:
+        """Move stored tensors (storage -> worker) straight from worker to worker, keeping
+        their value ids, so that pending nodes naming them need no change.
+
+        A storage moves only when one value is all that is known of it and it covers its
+        storage densely from offset 0: the copy a worker receives is contiguous, and two
+        views of one storage would arrive as two separate tensors.
+        """
+        values = self.graph.values
+        by_storage: dict[int, list[int]] = {s: [] for s in moves}
+        for vid, value in values.items():
+            if value.storage in by_storage and value.location is not None:
+                by_storage[value.storage].append(vid)
+        steps: dict[str, list[tuple]] = {}
+        slots: list[int] = []
+        for storage, dst in moves.items():
+            vid, *others = by_storage[storage]
+            src, meta = values[vid].location, values[vid].meta
+            if others or meta.offset or not _dense(meta):
+                raise PlacementError(
+                    f"an op views or writes tensors stored on {src!r} and {dst!r}, which must "
+                    f"then be one tensor on one worker, and %{vid} {tuple(meta.shape)} on {src!r}"
+                    " shares its storage with other tensors; move it first (pointer.move(w))"
+                )
+            slot = len(slots)
+            slots.append(vid)
+            steps.setdefault(src, []).extend([("send", slot, dst), ("free", slot)])
+            steps.setdefault(dst, []).append(("recv", slot, src))
+        plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
+        plan.id = self.plans.new_id()  # run once, never cached
+        self._run_plan(plan, slots, [])
+        for storage, dst in moves.items():
+            values[by_storage[storage][0]].location = dst
 
     def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
         """The plan that computing `vids` would run now, without running it (for explain)."""
@@ -451,6 +489,16 @@ class Client:
                 pass
         self.closed = True
         self.transport.close()
+
+
+def _dense(meta: TensorMeta) -> bool:
+    """Whether a tensor of this layout is contiguous (what a transfer delivers)."""
+    expected = 1
+    for size, stride in reversed(list(zip(meta.shape, meta.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _meta(m: list) -> TensorMeta:

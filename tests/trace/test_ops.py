@@ -254,16 +254,39 @@ def test_batch_norm_updates_running_stats(grid, traced):
     torch.testing.assert_close(_get(got), want)
 
 
-def test_one_op_writing_tensors_on_two_workers_is_refused(local_grid):
-    w0, w1, w2 = local_grid.workers
-    x, mean, var = (
-        gg.send(r(4, 3, 2, 2), w0),
-        gg.send(torch.zeros(3), w1),
-        gg.send(torch.ones(3), w2),
-    )
-    with pytest.raises(gg.GridError, match="move one of them first"):
-        _batch_norm_running_stats(x, mean, var)
-    assert torch.equal(mean.get(), torch.zeros(3))  # nothing was half-applied
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_one_op_writing_tensors_on_two_workers_moves_one(grid, traced):
+    """Running stats on two workers: one moves to the other, then batch norm runs there."""
+    x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
+    want = _batch_norm_running_stats(x, mean.clone(), var.clone())
+    w0, w1, w2 = grid.workers
+    args = gg.send(x, w0), gg.send(mean, w1), gg.send(var, w2)
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = _batch_norm_running_stats(*args)
+    torch.testing.assert_close(_get(got), want)
+    assert args[1].location == args[2].location == "w1"  # a tie: the first one stays
+
+
+def test_the_smaller_tensor_moves(local_grid):
+    w0, w1, _ = local_grid.workers
+    big, small = r(4096), r(4)
+    p_big, p_small = gg.send(big.clone(), w1), gg.send(small.clone(), w0)
+    local_grid.reset_stats()
+    torch._foreach_add_([p_small, p_big], 1.0)  # one op writing both
+    assert p_small.location == p_big.location == "w1"
+    assert local_grid.stats()["bytes"] < 4096 * 4  # the big one did not travel
+    assert torch.equal(p_big.get(), big + 1) and torch.equal(p_small.get(), small + 1)
+
+
+def test_a_view_on_another_worker_is_not_moved(local_grid):
+    w0, w1, _ = local_grid.workers
+    a, b = r(4, 3), r(100)
+    pa, pb = gg.send(a, w0), gg.send(b, w1)  # b is larger: a's storage would move
+    row = pa[1]  # a view of a: moving it alone would break the aliasing
+    with pytest.raises(gg.PlacementError, match="shares its storage"):
+        torch._foreach_add_([row, pb], 1.0)
+    assert torch.equal(pa.get(), a) and torch.equal(pb.get(), b)  # nothing half-applied
+    assert (pa.location, pb.location) == ("w0", "w1")
 
 
 def test_later_read_sees_write_through_view(grid):
