@@ -250,7 +250,10 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     walk = _Walk(pointer_type)
     t_args = tuple([walk.convert(a) for a in args])
     walk.key.append("|")
-    t_kwargs = {k: walk.convert(v) for k, v in kwargs.items()}
+    t_kwargs = {}
+    for k, v in kwargs.items():
+        walk.key.append(k)  # torch leaves out kwargs equal to their default: names count
+        t_kwargs[k] = walk.convert(v)
     owner = walk.owner
     assert owner is not None, "dispatch reached gridgraph without a pointer argument"
     graph = owner.graph

@@ -244,6 +244,20 @@ def test_ops_that_change_shapes_in_place_inside(local_grid, traced):
 
 
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_keyword_arguments_are_told_apart(local_grid, traced):
+    """torch drops keyword arguments equal to their default, so right=True and
+    out_int32=True reach ATen as one bool each: neither the shape cache nor the plan cache
+    may mix them up."""
+    a, bounds = r(6), torch.sort(r(4))[0]
+
+    def fn(a, bounds):
+        return [torch.bucketize(a, bounds, right=True), torch.bucketize(a, bounds, out_int32=True)]
+
+    for _ in range(2):  # the second time runs cached plans
+        check(local_grid, fn, a, bounds, traced=traced, exact=True)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_batch_norm_updates_running_stats(grid, traced):
     x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
     want = _batch_norm_running_stats(x, mean.clone(), var.clone())
