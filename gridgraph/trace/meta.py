@@ -6,7 +6,10 @@ it. We run the op on meta tensors (PyTorch's shape-only device) once per distinc
 time costs a dictionary look-up per op.
 
 Ops whose output shape depends on the data (nonzero, unique, masked_select, ...) have no meta
-kernel; `infer` raises `DataDependent` for them and the recorder runs them for real.
+kernel; `infer` raises `DataDependent` for them and the recorder runs them for real. So do ops
+whose meta kernel fails because it reads values (`allclose` calls `.item()`, `tensor_split`
+wants its indices on the CPU): a meta kernel that raises is never the last word, the worker
+runs the op and either gives the result or raises torch's own error.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ class TensorMeta(NamedTuple):
 
 
 class DataDependent(Exception):
-    """The op's output metadata depends on the input values; it must run to be known."""
+    """The op's output metadata depends on the input values; it must run to be known.
+
+    `error` is what the meta kernel raised when it failed rather than declining (it may be
+    the user's own mistake, such as mismatched shapes)."""
+
+    def __init__(self, message: str, error: Exception | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class OutputSpec(NamedTuple):
@@ -72,8 +82,11 @@ def infer(op: torch._ops.OpOverload, key: Any, make_args) -> OutputSpec:
         out = op(*args, **kwargs)
     except NotImplementedError as e:
         # No meta kernel: nonzero, masked_select, unique, boolean indexing, equal, ...
-        # (A wrong shape raises RuntimeError instead, which goes to the user as it is.)
         raise DataDependent(str(e)) from e
+    except RuntimeError as e:
+        # A meta kernel that reads values (.item(), indices it wants on the CPU), or a
+        # mistake in the call that running it for real reports as torch would.
+        raise DataDependent(str(e), e) from e
     spec = _spec_of(out)
     _cache[key] = spec
     return spec

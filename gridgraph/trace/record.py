@@ -157,6 +157,8 @@ class Aliasing:
                 src = next((owner_of_set[s] for s in info.before_set if s in owner_of_set), None)
                 self.returns.append((src, info.is_write))
         self.written = written
+        # Whether the op writes an argument or returns a view of one.
+        self.aliases = bool(written) or any(src is not None for src, _ in self.returns)
 
 
 @cache
@@ -269,7 +271,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
                 {k: to_meta(v, graph) for k, v in t_kwargs.items()},
             ),
         )
-    except DataDependent:
+    except DataDependent as e:
+        if e.error is not None and alias.aliases:
+            raise e.error from None  # a view or in-place op failing on meta: a wrong call
         spec = None
 
     where = user_frame()

@@ -329,6 +329,27 @@ def test_data_dependent_ops(grid, fn):
     check(grid, fn, r(4, 5))
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_whose_meta_kernel_reads_values_run_for_real(local_grid, traced):
+    """allclose calls .item() inside its meta kernel; it runs on the worker instead."""
+    a = r(4, 5)
+    fn = lambda a, b: (torch.allclose(a, b), torch.allclose(a, a + 1e-9), (a - b).mean())  # noqa: E731
+    check(local_grid, fn, a, a * 2, traced=traced)
+
+
+def test_a_wrong_call_still_raises_torchs_error_at_once(local_grid):
+    w0, w1, _ = local_grid.workers
+    a, b = gg.send(r(3, 4), w0), gg.send(r(5), w1)
+    local_grid.reset_stats()
+    with pytest.raises(RuntimeError, match="broadcast|size") as raised:
+        a.add_(b)  # in place: refused on the meta device, nothing is sent
+    assert not isinstance(raised.value, gg.RemoteError)
+    assert local_grid.stats()["messages"] == 0
+    with pytest.raises(RuntimeError, match="broadcast|size"):
+        with gg.trace():
+            (a + b).sum().item()
+
+
 def test_sync_points(grid):
     a = r(3, 4)
     p = gg.send(a, grid.workers[1])
