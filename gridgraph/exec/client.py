@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import threading
 import time
 import uuid
@@ -28,8 +29,9 @@ from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RemoteError, WorkerLost
+from gridgraph.errors import GridError, PlacementError, RecordError, RemoteError, WorkerLost
 from gridgraph.exec import wire
+from gridgraph.exec.ops import OpRefused, resolve
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import worker_topic
@@ -44,6 +46,7 @@ from gridgraph.trace.record import on
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
+SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 
 
 class _Cell:
@@ -165,12 +168,21 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self._check_open()
+        _check_runnable(node)
+        for vid in node.outputs:
+            dtype = self.graph.values[vid].meta.dtype
+            if dtype not in SENDABLE_DTYPES:
+                raise RecordError(
+                    f"{node.name} makes a tensor of dtype {dtype}, which workers cannot hold "
+                    f"or send (they take {', '.join(DTYPES)})"
+                )
         self.graph.add(node)
         if eager:
             self.execute(list(node.outputs))
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
         self._check_open()
+        _check_runnable(node)
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
         plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
@@ -489,6 +501,23 @@ class Client:
                 pass
         self.closed = True
         self.transport.close()
+
+
+# Ops that make or take sparse, mkldnn or nested tensors: workers hold, compute and send
+# dense strided tensors only (the wire format carries nothing else).
+_OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
+
+
+def _check_runnable(node: Node) -> None:
+    """Refuse at the call an op that workers refuse (the allowlist in ops.py) or that makes
+    tensors in a layout other than strided."""
+    name = node.name
+    if _OTHER_LAYOUTS.match(name):
+        raise RecordError(f"{name}: only dense (strided) tensors are supported")
+    try:
+        resolve(name)
+    except OpRefused as e:
+        raise RecordError(f"{name} cannot run on a worker: {e}") from None
 
 
 def _dense(meta: TensorMeta) -> bool:

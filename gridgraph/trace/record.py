@@ -361,7 +361,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
            for r in results]  # fmt: skip
     try:
         owner.record(node, eager=not tracing())
-    except PlacementError:
+    except (PlacementError, RecordError):
         # Nothing ran: leave every pointer naming what it named before the call.
         for p, vid in reversed(undo):
             owner.rebind(p, vid)

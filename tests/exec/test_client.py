@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -204,3 +205,33 @@ def test_what_nobody_asked_for_is_not_computed(local_grid):
     wanted.compute()
     assert local_grid.stats()["workers"]["w0"]["ops_run"] == 1
     assert wanted.computed and not unwanted.computed
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: p.chalf(), "dtype torch.complex32"),  # the wire carries no complex32
+        (lambda p: torch.ops.aten.hash_tensor(p), "dtype torch.uint64"),
+        (lambda p: p.to_sparse(), "only dense"),
+        (
+            lambda p: torch.ops.aten._unsafe_masked_index(
+                p, torch.ones(3, dtype=torch.bool), [torch.arange(3)], 0.0
+            ),
+            "not allowed",
+        ),
+    ],
+    ids=["complex32", "uint64", "sparse", "refused_op"],
+)
+def test_what_workers_cannot_do_is_refused_at_the_call(local_grid, call, match, traced):
+    """Before: the worker ran it, then failed to encode its reply, and the client waited
+    its whole timeout. Now nothing is sent, and the pointer is unchanged."""
+    a = torch.randn(3)
+    p = gg.send(a, local_grid.workers[0])
+    local_grid.reset_stats()
+    with pytest.raises(gg.RecordError, match=match):
+        with gg.trace() if traced else contextlib.nullcontext():
+            call(p)
+    assert local_grid.stats()["messages"] == 0
+    assert not local_grid.client.graph.pending
+    assert torch.equal(p.get(), a)
