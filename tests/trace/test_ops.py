@@ -128,6 +128,12 @@ CASES = {
         r(4, 5),
     ),
     "as_strided": (lambda a: a.as_strided((3, 3), (1, 3), 2), r(4, 5)),
+    # one element expanded: stride 0 on dimensions of size 1, as sent back and shipped along
+    "expand_one_element": (
+        lambda a, b: (a.expand_as(b), b + torch.tensor(2.0).expand(1, 1), a.expand(1, 1, 1)),
+        r(1).reshape(()),
+        r(1, 1),
+    ),
     # dtype casts
     "casts": (
         lambda a: (a.double(), a.to(torch.float16), (a * 10).long(), a.bool(), a.int()),
