@@ -1,0 +1,18 @@
+"""What gridgraph refuses by design: the one list of OpInfo entries it does not support.
+
+Each entry names an OpInfo entry (`name` or `name.variant`, as the conformance table prints
+it) and says why. Such an op must raise `gg.GridError` (`gg.RecordError` is one) at the call
+for the samples it refuses; the suite checks that, and that its other samples give what torch
+gives. Anything not listed here that fails is a bug, not a design limit.
+"""
+
+from __future__ import annotations
+
+import gridgraph as gg
+
+REFUSAL_ERRORS = (gg.GridError,)
+
+REFUSED: dict[str, str] = {
+    "to_sparse": "returns a sparse tensor: pointers, workers and the wire hold dense "
+    "(strided) tensors only",
+}
