@@ -373,7 +373,10 @@ class _Run:
         op = resolve(name)
         resolved = [self.arg(a) for a in args]
         kw = {k: self.arg(v) for k, v in kwargs.items()}
-        with torch.no_grad():
+        # Grad mode on, as where the client recorded the op: no stored tensor requires grad,
+        # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
+        # no workspace without it, and nn.LSTM's backward needs that workspace).
+        with torch.enable_grad():
             result = self.w.rng.call(op, resolved, kw)
         self.w.ops_run += 1
         if isinstance(result, torch.Tensor):
