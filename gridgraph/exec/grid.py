@@ -66,11 +66,13 @@ class Grid:
         for t in tensors:
             check_sendable(t)
         graph = self.client.graph
-        values = [graph.add_value(TensorMeta.of(t.detach().contiguous())) for t in tensors]
+        # What arrives: dense, with lazy conjugation or negation (x.conj()) applied.
+        dense = [t.detach().resolve_conj().resolve_neg().contiguous() for t in tensors]
+        values = [graph.add_value(TensorMeta.of(t)) for t in dense]
         try:
             self.client.request(worker.name, {
                 "kind": "put",
-                "values": [[v.id, t.detach().contiguous()] for v, t in zip(values, tensors)],
+                "values": [[v.id, t] for v, t in zip(values, dense)],
             })  # fmt: skip
         except Exception:
             for v in values:

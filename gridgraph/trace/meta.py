@@ -26,10 +26,14 @@ class TensorMeta(NamedTuple):
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
+    # Lazy conjugate / negation bits of complex views (x.conj()): 1 conj, 2 neg. Code above
+    # ATen branches on them (x.is_conj()), so a pointer carries the ones torch would have.
+    bits: int = 0
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        bits = t.is_conj() | t.is_neg() << 1 if t.dtype.is_complex else 0
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, bits)
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +48,15 @@ class TensorMeta(NamedTuple):
         if 0 in self.shape:
             extent = 0
         base = torch.empty(self.offset + extent, dtype=self.dtype, device="meta")
-        return base.as_strided(self.shape, self.stride, self.offset)
+        return self.mark(base.as_strided(self.shape, self.stride, self.offset))
+
+    def mark(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` with this metadata's conjugate and negation bits set."""
+        if self.bits & 1:
+            torch._C._set_conj(t, True)
+        if self.bits & 2:
+            torch._C._set_neg(t, True)
+        return t
 
 
 class DataDependent(Exception):

@@ -37,6 +37,7 @@ class RemoteTensor(torch.Tensor):
             device="cpu",
             requires_grad=requires_grad,
         )
+        meta.mark(t)
         t._owner = owner
         t._vid = value_id
         return t

@@ -198,6 +198,27 @@ def test_mutation_matches_torch(grid, fn, inputs, traced):
     check(grid, fn, *inputs, traced=traced, exact=True)
 
 
+def _complex(*shape):
+    return torch.randn(*shape, dtype=torch.complex64, generator=g)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_lazy_conjugation_matches_torch(local_grid, traced):
+    """x.conj() is a view with a conjugate bit: the pointer carries it as torch's tensor
+    does (code above ATen branches on it), and sending or fetching one sends its values."""
+    a = _complex(8)
+
+    def fn(a):
+        c = a.conj()
+        return c, c.is_conj(), torch.fft.hfft(c), c.imag, torch.view_as_real(c.resolve_conj())
+
+    check(local_grid, fn, a, traced=traced)
+    p = gg.send(a.conj(), local_grid.workers[1])  # a conjugate view sent as its values
+    assert torch.equal(p.get(), a.conj())
+    with pytest.raises(RuntimeError, match="conjugate"):
+        torch.view_as_real(p.conj())  # refused at the call, as torch refuses it
+
+
 # Tensors with no elements: recorded, placed, split, sent and run like any other.
 EMPTY_CASES = {
     "matmul": (lambda a, b: a @ b, r(0, 3), r(3, 2)),
