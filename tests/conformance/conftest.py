@@ -6,28 +6,17 @@ $GG_CONFORMANCE_MODES (comma-separated) narrow it while developing; CI runs ever
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import report
-from opinfo_cases import DTYPES, MODES
 from opinfo_sweep import Selection
 
 _swept: list = []  # (outcomes, wall seconds) once the sweep has run
 
 
-def selection_from_env() -> Selection:
-    return Selection(
-        entries=os.environ.get("GG_CONFORMANCE_ENTRIES", ""),
-        dtypes=tuple(os.environ.get("GG_CONFORMANCE_DTYPES", ",".join(DTYPES)).split(",")),
-        modes=tuple(os.environ.get("GG_CONFORMANCE_MODES", ",".join(MODES)).split(",")),
-    )
-
-
 @pytest.fixture(scope="session")
 def sweep_outcomes():
     """Every unit's Outcome; also writes conformance_failures.txt at the repository root."""
-    outcomes, wall = report.run(selection_from_env())
+    outcomes, wall = report.run(Selection.from_env())
     report.write_failures(outcomes)
     _swept.append((outcomes, wall))
     return outcomes

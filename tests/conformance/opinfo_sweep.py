@@ -46,6 +46,17 @@ class Selection:
     dtypes: tuple[str, ...] = tuple(DTYPES)
     modes: tuple[str, ...] = MODES
 
+    @classmethod
+    def from_env(cls) -> Selection:
+        """$GG_CONFORMANCE_ENTRIES (regex), $GG_CONFORMANCE_DTYPES and $GG_CONFORMANCE_MODES
+        (comma-separated) narrow the pytest run while developing; unset, everything."""
+        env = os.environ.get
+        return cls(
+            entries=env("GG_CONFORMANCE_ENTRIES", ""),
+            dtypes=tuple(env("GG_CONFORMANCE_DTYPES", ",".join(DTYPES)).split(",")),
+            modes=tuple(env("GG_CONFORMANCE_MODES", ",".join(MODES)).split(",")),
+        )
+
 
 def plan(selection: Selection) -> list[tuple[str, list[tuple[str, str]]]]:
     """The work: each selected entry with its (dtype, mode) units, in op_db order."""

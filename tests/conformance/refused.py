@@ -12,7 +12,10 @@ import gridgraph as gg
 
 REFUSAL_ERRORS = (gg.GridError,)
 
+_SPARSE = "pointers, workers and the wire hold dense (strided) tensors only"
+
 REFUSED: dict[str, str] = {
-    "to_sparse": "returns a sparse tensor: pointers, workers and the wire hold dense "
-    "(strided) tensors only",
+    "to_sparse": f"returns a sparse COO tensor; {_SPARSE}",
+    "sparse.sampled_addmm": f"takes a sparse CSR tensor; {_SPARSE}",
+    "sparse.mm.reduce": f"takes a sparse CSR tensor; {_SPARSE}",
 }

@@ -63,6 +63,10 @@ def table(outcomes: list[Outcome], wall_s: float | None = None) -> str:
         f"{len(outcomes)} units, {samples} samples: {inexact} equal within tolerance, "
         f"{rejected} rejected by torch and the pointers alike, the rest bit-equal"
     )
+    slowest = max(outcomes, key=lambda o: o.slowest, default=None)
+    if slowest is not None:
+        lines.append(f"slowest sample: {slowest.slowest:.1f} s ({slowest.entry} {slowest.dtype} "
+                     f"{slowest.mode})")  # fmt: skip
     if wall_s is not None:
         lines.append(f"sweep wall time: {wall_s:.0f} s")
     return "\n".join(lines)

@@ -8,13 +8,12 @@ never a wrong value, a crash or a hang, and a refusal only for the documented li
 from __future__ import annotations
 
 import pytest
-from conftest import selection_from_env
 from opinfo_cases import load_entries
-from opinfo_sweep import plan
+from opinfo_sweep import Selection, plan
 from refused import REFUSED
 from report import FAILURES_FILE, target
 
-WORK = plan(selection_from_env())
+WORK = plan(Selection.from_env())
 ROWS = sorted({unit for _, units in WORK for unit in units}, key=lambda u: (u[1], u[0]))
 
 
