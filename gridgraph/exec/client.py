@@ -39,7 +39,7 @@ from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
-from gridgraph.trace.graph import Graph, Node
+from gridgraph.trace.graph import Graph, Node, op_name
 from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
@@ -135,6 +135,11 @@ class Client:
             self.graph.values.pop(vid, None)
             self.failed.pop(vid, None)
 
+    def refusal(self, op: torch._ops.OpOverload) -> str | None:
+        """Why workers would not run `op` (the allowlist in ops.py, or a layout other than
+        strided), or None when they run it."""
+        return _refusal(op)
+
     def location_of(self, vid: int) -> str | None:
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
@@ -168,7 +173,6 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self._check_open()
-        _check_runnable(node)
         for vid in node.outputs:
             dtype = self.graph.values[vid].meta.dtype
             if dtype not in SENDABLE_DTYPES:
@@ -182,7 +186,6 @@ class Client:
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
         self._check_open()
-        _check_runnable(node)
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
         plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
@@ -508,16 +511,16 @@ class Client:
 _OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
 
 
-def _check_runnable(node: Node) -> None:
-    """Refuse at the call an op that workers refuse (the allowlist in ops.py) or that makes
-    tensors in a layout other than strided."""
-    name = node.name
+@functools.cache
+def _refusal(op: torch._ops.OpOverload) -> str | None:
+    name = op_name(op)
     if _OTHER_LAYOUTS.match(name):
-        raise RecordError(f"{name}: only dense (strided) tensors are supported")
+        return "only dense (strided) tensors are supported"
     try:
         resolve(name)
     except OpRefused as e:
-        raise RecordError(f"{name} cannot run on a worker: {e}") from None
+        return str(e)
+    return None
 
 
 def _dense(meta: TensorMeta) -> bool:

@@ -13,6 +13,10 @@ For each call we
    and the user's pointer is rebound to that version;
 4. hand the node to the pointer's owner (the client), which runs it at once outside
    `trace()` and defers it inside.
+
+An op the workers do not run (off their allowlist, or a `torch.library.custom_op` outside
+the aten namespace) is recorded as what torch itself decomposes it into, when torch has a
+decomposition; else it is refused at the call with `RecordError`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from gridgraph.errors import PlacementError, RecordError
-from gridgraph.trace.graph import Const, Graph, Node, Ref
+from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
 
 if TYPE_CHECKING:
@@ -52,6 +56,10 @@ class Owner(Protocol):
     def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
 
     def discard(self, node: Node) -> None: ...
+
+    def refusal(self, op: torch._ops.OpOverload) -> str | None:
+        """Why workers would not run `op`, or None when they run it."""
+        ...
 
 
 # --- trace() -----------------------------------------------------------------------------
@@ -258,6 +266,12 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         t_kwargs[k] = walk.convert(v)
     owner = walk.owner
     assert owner is not None, "dispatch reached gridgraph without a pointer argument"
+    refused = owner.refusal(op)
+    if refused is not None:
+        decomposed = decomposition(op)
+        if decomposed is None:
+            raise RecordError(f"{op_name(op)} cannot run on a worker: {refused}")
+        return decomposed(*args, **kwargs)  # its ops come back here, one by one
     graph = owner.graph
     alias = aliasing(op)
 
@@ -370,6 +384,22 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         owner.discard(node)
         raise
     return _structure(spec.kind, out)
+
+
+@cache
+def decomposition(op: torch._ops.OpOverload) -> Any:
+    """What torch would run `op` as: its composite kernel (ops that reach us from inside a
+    decomposition, where autograd no longer expands them), its entry in torch's
+    decomposition table, or a custom op's own Python implementation; else None."""
+    from torch._decomp import decomposition_table  # heavy: imported on first need
+    from torch._library.custom_ops import OPDEFS
+
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return op.decompose
+    found = decomposition_table.get(op)
+    if found is None:
+        found = getattr(OPDEFS.get(op._schema.name), "_init_fn", None)
+    return found
 
 
 def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:

@@ -214,12 +214,7 @@ def test_what_nobody_asked_for_is_not_computed(local_grid):
         (lambda p: p.chalf(), "dtype torch.complex32"),  # the wire carries no complex32
         (lambda p: torch.ops.aten.hash_tensor(p), "dtype torch.uint64"),
         (lambda p: p.to_sparse(), "only dense"),
-        (
-            lambda p: torch.ops.aten._unsafe_masked_index(
-                p, torch.ones(3, dtype=torch.bool), [torch.arange(3)], 0.0
-            ),
-            "not allowed",
-        ),
+        (lambda p: p.set_(torch.ones(3)), "not allowed"),  # off the allowlist
     ],
     ids=["complex32", "uint64", "sparse", "refused_op"],
 )
@@ -235,3 +230,26 @@ def test_what_workers_cannot_do_is_refused_at_the_call(local_grid, call, match, 
     assert local_grid.stats()["messages"] == 0
     assert not local_grid.client.graph.pending
     assert torch.equal(p.get(), a)
+
+
+@torch.library.custom_op("gridgraph_test::scaled_add", mutates_args=())
+def scaled_add(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x + alpha * y
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_workers_refuse_run_as_torchs_decomposition(local_grid, traced):
+    """_unsafe_masked_index is off the workers' allowlist (it skips bounds checks), and a
+    torch.library custom op is not in the aten namespace: both are recorded as what torch
+    decomposes them into (the custom op: its own Python implementation)."""
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    mask, index = torch.tensor([[True], [False], [True], [True]]), torch.tensor([3, 9, 0, 1])
+
+    def fn(x, y):
+        return torch.ops.aten._unsafe_masked_index(x, mask, [index], -1.0), scaled_add(x, y, 0.5)
+
+    want = fn(x, y)
+    w0, w1, _ = local_grid.workers
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = fn(gg.send(x, w0), gg.send(y, w1))
+    torch.testing.assert_close([p.get() for p in got], list(want))
