@@ -364,6 +364,13 @@ def test_ops_whose_meta_kernel_reads_values_run_for_real(local_grid, traced):
     check(local_grid, fn, a, a * 2, traced=traced)
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_tensor_split_at_remote_indices(local_grid, traced):
+    """tensor_split's C++ reads its index tensor's memory; a pointer's values are fetched."""
+    fn = lambda a, at, n: (a.tensor_split(at), torch.tensor_split(a, n, 1))  # noqa: E731
+    check(local_grid, fn, r(6, 4), torch.tensor([1, 4]), torch.tensor(3), traced=traced)
+
+
 def test_a_wrong_call_still_raises_torchs_error_at_once(local_grid):
     w0, w1, _ = local_grid.workers
     a, b = gg.send(r(3, 4), w0), gg.send(r(5), w1)
