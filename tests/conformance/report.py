@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import re
 import sys
@@ -41,6 +42,11 @@ def rows(outcomes: list[Outcome]) -> dict[tuple[str, str], collections.Counter]:
     return dict(sorted(counts.items(), key=lambda kv: order[kv[0]]))
 
 
+def shown(rate: float) -> str:
+    """A rate as a percentage rounded down, so that 98.97% never reads as 99.0%."""
+    return f"{math.floor(rate * 1000) / 10:5.1f}%"
+
+
 def pass_rate(c: collections.Counter) -> float:
     total = sum(c.values())
     return c["pass"] / total if total else 1.0
@@ -54,7 +60,7 @@ def table(outcomes: list[Outcome], wall_s: float | None = None) -> str:
     for (dtype, mode), c in rows(outcomes).items():
         lines.append(
             f"{dtype:10} {mode:9} {sum(c.values()):7} {c['pass']:6} {c['refused']:7} "
-            f"{c['fail']:6} {100 * pass_rate(c):6.1f}% {100 * target(mode):5.0f}%"
+            f"{c['fail']:6} {shown(pass_rate(c)):>7} {shown(target(mode)):>6}"
         )
     samples = sum(o.samples for o in outcomes)
     inexact = sum(o.inexact for o in outcomes)
@@ -92,6 +98,11 @@ def failures_text(outcomes: list[Outcome]) -> str:
             where = f"   [{' < '.join(reversed(o.detail))}]" if o.detail else ""
             out.append(f"  {o.entry} {o.dtype} {o.mode}: {o.message}{where}")
         out.append("")
+    inexact = collections.Counter()
+    for o in outcomes:
+        inexact[o.entry] += o.inexact
+    listed = ", ".join(f"{e} ({n})" for e, n in sorted(inexact.items()) if n)
+    out.append(f"## passing, but samples equal only within tolerance: {listed or 'none'}")
     return "\n".join(out)
 
 
