@@ -231,9 +231,9 @@ EMPTY_CASES = {
 
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 @pytest.mark.parametrize("name", sorted(EMPTY_CASES))
-def test_zero_element_tensors(local_grid, name, traced):
+def test_zero_element_tensors(grid, name, traced):
     fn, *inputs = EMPTY_CASES[name]
-    check(local_grid, fn, *inputs, traced=traced, exact=True)
+    check(grid, fn, *inputs, traced=traced, exact=True)
 
 
 def _shape_in_place(a, b):
