@@ -103,12 +103,15 @@ class Child:
         self.proc.stdin.write(json.dumps({"entry": entry, "units": units}).encode() + b"\n")
         self.proc.stdin.flush()
 
-    def stop(self) -> int:
-        """Kill (if still running) and reap; returns the exit status."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        rc = self.proc.wait()
+    def stop(self, grace: float = 0.0) -> int:
+        """Close its input (a child exits at end of input), wait up to `grace` seconds, then
+        kill it if still running; returns the exit status."""
         self.proc.stdin.close()
+        try:
+            rc = self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
         self.proc.stdout.close()
         return rc
 
@@ -145,8 +148,10 @@ def sweep(
 
         def lost(c: Child, kind: str, message: str) -> None:
             """The child died or hung: fail the unit in flight, restart, requeue the rest."""
-            entry, unit = c.entry, c.current or c.remaining[0]
-            report(Outcome(entry, *unit, "fail", kind, message))
+            entry = c.entry
+            unit = c.current or (c.remaining[0] if c.remaining else None)
+            if unit is not None:  # (a child may also die between its last unit and "done")
+                report(Outcome(entry, *unit, "fail", kind, message))
             rest = [u for u in c.remaining if u != unit]
             selector.unregister(c.proc.stdout)
             c.stop()
@@ -181,9 +186,7 @@ def sweep(
                     lost(c, "timeout", f"hung: not {what} in {limit:.0f} s{last_log_line(c)}")
         for c in children:
             selector.unregister(c.proc.stdout)
-            c.proc.stdin.close()  # the child exits at end of input
-            c.proc.wait()
-            c.proc.stdout.close()
+            c.stop(grace=30)
     return outcomes
 
 
