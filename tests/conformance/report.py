@@ -107,8 +107,12 @@ def failures_text(outcomes: list[Outcome]) -> str:
 
 
 def write_failures(outcomes: list[Outcome], path: str = FAILURES_FILE) -> None:
-    with open(path, "w") as f:
-        f.write(table(outcomes) + "\n\n" + failures_text(outcomes))
+    """Write the table and the failures by cause to `path` (a read-only checkout: skipped)."""
+    try:
+        with open(path, "w") as f:
+            f.write(table(outcomes) + "\n\n" + failures_text(outcomes))
+    except OSError as e:
+        print(f"conformance: cannot write {path}: {e}", file=sys.stderr)
 
 
 def run(selection: Selection, processes: int = 2, progress: bool = False):
