@@ -330,6 +330,23 @@ def test_a_view_on_another_worker_is_not_moved(local_grid):
     assert (pa.location, pb.location) == ("w0", "w1")
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_a_transferred_tensor_keeps_its_layout(grid, traced):
+    """A transposed tensor sent to another worker stays transposed there: what is computed
+    from it has torch's strides, so as_strided on the result reads torch's elements."""
+    a, b = r(3, 4), r(4, 3)
+
+    def fn(a, b):
+        y = a.t() + b  # the sum follows a.t()'s layout: strides (1, 4)
+        return y.as_strided((2, 2), (1, 4)), y.stride(), y.permute(1, 0).contiguous()
+
+    want = fn(a, b)
+    pa, pb = gg.send(a, grid.workers[0]), gg.send(b, grid.workers[1])
+    with gg.trace() if traced else contextlib.nullcontext(), gg.on(grid.workers[1]):
+        got = fn(pa, pb)  # a.t() is a view: it stays on w0, the sum runs on w1
+    torch.testing.assert_close(_get(got), want, rtol=0, atol=0)
+
+
 def test_later_read_sees_write_through_view(grid):
     a = r(3, 4)
     p = gg.send(a.clone(), grid.workers[0])
