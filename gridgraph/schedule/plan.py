@@ -14,6 +14,10 @@ last step that made its value current: the call that produced it, or the last wr
 storage recorded before the reader. So a value is sent as early as it can be, and a write
 recorded after the reader cannot leak into what the reader sees.
 
+A transfer carries values in row-major order: a value laid out otherwise (a transposed
+view) is transposed in place to row-major order around its send and back after its recv,
+so both workers hold it in the dimension order the client's metadata says.
+
 Steps are grouped into stages: a worker's stage grows by one exactly where it needs a value
 from another worker. A worker receives all its stages in one message and moves on to the next
 stage as soon as the transfers it needs arrive, with no round trip to the client between.
