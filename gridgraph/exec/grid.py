@@ -17,7 +17,7 @@ from gridgraph.exec.client import Client
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import Worker
-from gridgraph.trace.meta import TensorMeta
+from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 
 
@@ -66,8 +66,7 @@ class Grid:
         for t in tensors:
             check_sendable(t)
         graph = self.client.graph
-        # What arrives: dense, with lazy conjugation or negation (x.conj()) applied.
-        dense = [t.detach().resolve_conj().resolve_neg().contiguous() for t in tensors]
+        dense = [as_sent(t) for t in tensors]  # what arrives, and what its pointer says
         values = [graph.add_value(TensorMeta.of(t)) for t in dense]
         try:
             self.client.request(worker.name, {

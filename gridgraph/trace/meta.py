@@ -59,6 +59,20 @@ class TensorMeta(NamedTuple):
         return t
 
 
+def as_sent(t: torch.Tensor) -> torch.Tensor:
+    """A local tensor as a worker receives it (`gg.send`, or mixed into an op): its values,
+    row-major from offset 0, lazy conjugation applied; a copy only when `t` is not so already.
+    What the client records about it must describe this, not the sender's layout."""
+    t = t.detach().resolve_conj().resolve_neg()
+    row_major, n = [], 1
+    for size in reversed(t.shape):
+        row_major.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(row_major)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class DataDependent(Exception):
     """The op's output metadata depends on the input values; it must run to be known.
 

@@ -32,7 +32,7 @@ import torch
 
 from gridgraph.errors import PlacementError, RecordError
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
-from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
+from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, infer
 
 if TYPE_CHECKING:
     from gridgraph.trace.pointer import RemoteTensor
@@ -213,8 +213,8 @@ class _Walk:
                 )
             if a.layout != torch.strided:
                 raise RecordError(f"tensors with layout {a.layout} are not supported")
-            self.key.append(("const", TensorMeta.of(a)))
-            const = Const(a.detach())
+            const = Const(as_sent(a))
+            self.key.append(("const", TensorMeta.of(const.tensor)))
             self.params.append(const.tensor)
             return const
         if isinstance(a, (list, tuple)):

@@ -253,3 +253,23 @@ def test_ops_workers_refuse_run_as_torchs_decomposition(local_grid, traced):
     with gg.trace() if traced else contextlib.nullcontext():
         got = fn(gg.send(x, w0), gg.send(y, w1))
     torch.testing.assert_close([p.get() for p in got], list(want))
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_a_sent_view_is_its_values_from_offset_zero(local_grid, traced):
+    """gg.send(base[5:15]) stores the ten values, from offset 0 of their own storage: the
+    pointer says so too, so as_strided and its gradient address those values (before, the
+    pointer kept the sender's offset 5 and the gradient came out zero)."""
+    base = torch.randn(20)
+    x, grad_out = base[5:15], torch.randn(2, 2)
+    local = x.clone().requires_grad_(True)
+    want = torch.as_strided(local, (2, 2), (1, 2), storage_offset=0)
+    (want_grad,) = torch.autograd.grad(want, local, grad_out)
+    p = gg.send(x, local_grid.workers[0]).requires_grad_(True)
+    assert p.storage_offset() == 0 and p.stride() == (1,)
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = torch.as_strided(p, (2, 2), (1, 2), storage_offset=0)
+        (got_grad,) = torch.autograd.grad(got, p, gg.send(grad_out, local_grid.workers[1]))
+    assert torch.equal(got.get(), want.detach()) and torch.equal(got_grad.get(), want_grad)
+    # A local view mixed into an op is shipped the same way.
+    assert torch.equal((p.detach() + x).get(), x + x)
