@@ -13,9 +13,12 @@ import gridgraph as gg
 REFUSAL_ERRORS = (gg.GridError,)
 
 _SPARSE = "pointers, workers and the wire hold dense (strided) tensors only"
+_DTYPE = "which the wire does not carry (gridgraph.exec.wire.DTYPES; README, Ops)"
 
 REFUSED: dict[str, str] = {
     "to_sparse": f"returns a sparse COO tensor; {_SPARSE}",
     "sparse.sampled_addmm": f"takes a sparse CSR tensor; {_SPARSE}",
     "sparse.mm.reduce": f"takes a sparse CSR tensor; {_SPARSE}",
+    "chalf": f"returns complex32, {_DTYPE}",
+    "hash_tensor": f"returns uint64, {_DTYPE}",
 }
