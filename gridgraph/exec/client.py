@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import threading
 import time
 import uuid
@@ -28,22 +29,31 @@ from typing import Any
 
 import torch
 
-from gridgraph.errors import GridError, PlacementError, RemoteError, SessionLost, WorkerLost
+from gridgraph.errors import (
+    GridError,
+    PlacementError,
+    RecordError,
+    RemoteError,
+    SessionLost,
+    WorkerLost,
+)
 from gridgraph.exec import wire
+from gridgraph.exec.ops import OpRefused, resolve
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import client_topic, worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
-from gridgraph.schedule.place import place
+from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
-from gridgraph.trace.graph import Graph, Node
+from gridgraph.trace.graph import Graph, Node, op_name
 from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
+SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 
 
 class _Cell:
@@ -133,6 +143,11 @@ class Client:
             self.graph.values.pop(vid, None)
             self.failed.pop(vid, None)
 
+    def refusal(self, op: torch._ops.OpOverload) -> str | None:
+        """Why workers would not run `op` (the allowlist in ops.py, or a layout other than
+        strided), or None when they run it."""
+        return _refusal(op)
+
     def location_of(self, vid: int) -> str | None:
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
@@ -166,6 +181,13 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self._check_open()
+        for vid in node.outputs:
+            dtype = self.graph.values[vid].meta.dtype
+            if dtype not in SENDABLE_DTYPES:
+                raise RecordError(
+                    f"{node.name} makes a tensor of dtype {dtype}, which workers cannot hold "
+                    f"or send (they take {', '.join(DTYPES)})"
+                )
         self.graph.add(node)
         if eager:
             self.execute(list(node.outputs))
@@ -238,6 +260,10 @@ class Client:
             plan = None if dynamic else self.plans.get(key)
             if plan is None:
                 try:
+                    moves = storage_moves(nodes, values)
+                    if moves:  # a cached plan never has split homes: only a miss can
+                        self._move_storages(moves)
+                        key, slots = signature(nodes, values, keep, fetch, dynamic)
                     placement = self.place(nodes, values, self.workers)
                 except PlacementError as e:
                     self._forget_run(nodes, [], keep, e)  # nothing ran: no frees either
@@ -262,6 +288,40 @@ class Client:
                 if vid not in keep:
                     values.pop(vid, None)
             return plan, replies
+
+    def _move_storages(self, moves: dict[int, str]) -> None:
+        """Move stored tensors (storage -> worker) straight from worker to worker, keeping
+        their value ids, so that pending nodes naming them need no change.
+
+        A storage moves only when one value is all that is known of it and it covers its
+        storage densely from offset 0: the copy a worker receives is contiguous, and two
+        views of one storage would arrive as two separate tensors.
+        """
+        values = self.graph.values
+        by_storage: dict[int, list[int]] = {s: [] for s in moves}
+        for vid, value in values.items():
+            if value.storage in by_storage and value.location is not None:
+                by_storage[value.storage].append(vid)
+        steps: dict[str, list[tuple]] = {}
+        slots: list[int] = []
+        for storage, dst in moves.items():
+            vid, *others = by_storage[storage]
+            src, meta = values[vid].location, values[vid].meta
+            if others or meta.offset or not _dense(meta):
+                raise PlacementError(
+                    f"an op views or writes tensors stored on {src!r} and {dst!r}, which must "
+                    f"then be one tensor on one worker, and %{vid} {tuple(meta.shape)} on {src!r}"
+                    " shares its storage with other tensors; move it first (pointer.move(w))"
+                )
+            slot = len(slots)
+            slots.append(vid)
+            steps.setdefault(src, []).extend([("send", slot, dst), ("free", slot)])
+            steps.setdefault(dst, []).append(("recv", slot, src))
+        plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
+        plan.id = self.plans.new_id()  # run once, never cached
+        self._run_plan(plan, slots, [])
+        for storage, dst in moves.items():
+            values[by_storage[storage][0]].location = dst
 
     def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
         """The plan that computing `vids` would run now, without running it (for explain)."""
@@ -463,6 +523,33 @@ class Client:
                 pass
         self.closed = True
         self.transport.close()
+
+
+# Ops that make or take sparse, mkldnn or nested tensors: workers hold, compute and send
+# dense strided tensors only (the wire format carries nothing else).
+_OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
+
+
+@functools.cache
+def _refusal(op: torch._ops.OpOverload) -> str | None:
+    name = op_name(op)
+    if _OTHER_LAYOUTS.match(name):
+        return "only dense (strided) tensors are supported"
+    try:
+        resolve(name)
+    except OpRefused as e:
+        return str(e)
+    return None
+
+
+def _dense(meta: TensorMeta) -> bool:
+    """Whether a tensor of this layout is contiguous (what a transfer delivers)."""
+    expected = 1
+    for size, stride in reversed(list(zip(meta.shape, meta.stride))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _meta(m: list) -> TensorMeta:

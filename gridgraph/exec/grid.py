@@ -18,7 +18,7 @@ from gridgraph.exec.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import Worker
-from gridgraph.trace.meta import TensorMeta
+from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 
 
@@ -67,11 +67,12 @@ class Grid:
         for t in tensors:
             check_sendable(t)
         graph = self.client.graph
-        values = [graph.add_value(TensorMeta.of(t.detach().contiguous())) for t in tensors]
+        dense = [as_sent(t) for t in tensors]  # what arrives, and what its pointer says
+        values = [graph.add_value(TensorMeta.of(t)) for t in dense]
         try:
             self.client.request(worker.name, {
                 "kind": "put",
-                "values": [[v.id, t.detach().contiguous()] for v, t in zip(values, tensors)],
+                "values": [[v.id, t] for v, t in zip(values, dense)],
             })  # fmt: skip
         except Exception:
             for v in values:

@@ -14,6 +14,7 @@ makes them repeatable without touching anyone else's random state.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from functools import cache
@@ -54,20 +55,25 @@ def check_view(result: Any) -> None:
 def _check_bounds(t: torch.Tensor) -> None:
     if t.layout != torch.strided or t.device.type != "cpu":
         raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
-    offset, sizes, strides = t.storage_offset(), t.shape, t.stride()
-    if offset < 0 or any(s < 0 for s in strides):
+    _check_layout(t, t.shape, t.stride(), t.storage_offset())
+
+
+def _check_layout(t: torch.Tensor, sizes: Any, strides: Any, offset: int) -> None:
+    """Refuse a layout of `t`'s storage that reaches outside it."""
+    sizes, strides = tuple(sizes), tuple(strides)
+    if offset < 0 or any(s < 0 for s in strides) or any(n < 0 for n in sizes):
         raise ViewOutOfBounds(
-            f"an op returned a view with negative strides {tuple(strides)} or offset {offset}"
+            f"a view with negative sizes {sizes}, strides {strides} or offset {offset}"
         )
-    if t.numel() == 0:
-        return
+    if len(sizes) != len(strides) or 0 in sizes:
+        return  # torch refuses the first itself; the second addresses no element
     last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
     need = (last + 1) * t.element_size()
     have = t.untyped_storage().nbytes()
     if need > have:
         raise ViewOutOfBounds(
-            f"an op returned a view of sizes {tuple(sizes)}, strides {tuple(strides)} and "
-            f"offset {offset} that needs {need} bytes of a storage of {have}"
+            f"a view of sizes {sizes}, strides {strides} and offset {offset} needs {need} "
+            f"bytes of a storage of {have}"
         )
 
 
@@ -115,6 +121,19 @@ class RandomState:
         zero-filled."""
         if _uninitialized(op):
             return op(*args, **kwargs).zero_()
+        if op is torch.ops.aten.as_strided_.default:  # checked before it changes the tensor
+            t, sizes, strides, *rest = args
+            _check_layout(t, sizes, strides, rest[0] if rest else t.storage_offset())
+        if op is torch.ops.aten.resize_.default:  # within its storage: never new memory
+            t, sizes = args[0], args[1]
+            contiguous = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+            try:
+                _check_layout(t, sizes, contiguous, t.storage_offset())
+            except ViewOutOfBounds:
+                raise ViewOutOfBounds(
+                    f"resize_ to {tuple(sizes)} would grow the tensor's storage: workers resize "
+                    "only within it (make a new tensor instead)"
+                ) from None
         if not _seeded(op):
             return op(*args, **kwargs)
         with _global_rng:

@@ -562,7 +562,10 @@ class Run:
         kw = {k: self.arg(v) for k, v in kwargs.items()}
         if check:  # its inputs came during the run: check its footprint now, before it runs
             self.check_footprint(op, name, resolved, kw)
-        with torch.no_grad():
+        # Grad mode on, as where the client recorded the op: no stored tensor requires grad,
+        # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
+        # no workspace without it, and nn.LSTM's backward needs that workspace).
+        with torch.enable_grad():
             result = self.s.rng.call(op, resolved, kw)
         check_view(result)
         self.s.ops_run += 1

@@ -66,7 +66,10 @@ class WireError(ValueError):
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
-    flat = t.detach().contiguous().reshape(-1)
+    dense = t.detach().resolve_conj().resolve_neg().contiguous()  # lazy x.conj(): its values
+    # as_strided: a contiguous tensor may keep any stride on a dimension of size 1 (x.expand
+    # of one element has stride 0), which view(uint8) refuses.
+    flat = dense.as_strided((dense.numel(),), (1,))
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 

@@ -9,7 +9,9 @@ meaning.
 
 1. Alias units: the nodes that create, view or write one storage are contracted into one unit
    (union-find over storages). A unit holding a tensor already stored on a worker is fixed
-   there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free.
+   there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free. A unit
+   holding tensors stored on two workers cannot be placed: `storage_moves` says which to
+   move first (the client moves them, worker to worker).
 2. List scheduling in recording order (the order workers run their programs in): each free
    unit goes, at its first node, to the worker where that node finishes earliest, counting
    the transfers it waits for, plus the transfers its later nodes will need from data whose
@@ -87,6 +89,9 @@ class Units:
     fixed: list[str | None]  # worker a unit must run on (stored data or a pin), else None
     nbytes: list[int]  # bytes of the new storages each unit creates
     stored: dict[str, int]  # bytes already stored on each worker that the graph touches
+    # Units that view or write storages stored on more than one worker: unit -> the worker
+    # and bytes of each such storage. They cannot run until all but one worker's move.
+    split_homes: dict[int, dict[int, tuple[str, int]]]
 
 
 def _where(node: Node) -> str:
@@ -119,8 +124,7 @@ def alias_units(nodes: list[Node], values: Mapping[int, Value]) -> Units:
             if v is None:
                 continue
             s = v.storage
-            if v.meta.nbytes > size.get(s, 0):
-                size[s] = v.meta.nbytes
+            size[s] = max(size.get(s, 0), v.meta.nbytes)  # a storage may hold zero bytes
             other = unit_of.get(s)
             if other is None:
                 u = i if u < 0 else u
@@ -150,26 +154,40 @@ def alias_units(nodes: list[Node], values: Mapping[int, Value]) -> Units:
             fixed[u] = node.meta["pin"]
     nbytes = [0] * len(members)
     stored: dict[str, int] = {}
-    first_holder: list[str | None] = [None] * len(members)
+    homes: list[dict[int, tuple[str, int]]] = [{} for _ in members]  # stored storages
     for s, w in located.items():
         stored[w] = stored.get(w, 0) + size[s]
     for s in sorted(unit_of):  # storages only read in this graph belong to no unit
         u = root_index[root(unit_of[s])]
-        if s not in located:
+        if s in located:
+            homes[u][s] = (located[s], size[s])
+        else:
             nbytes[u] += size[s]
-            continue
-        holder = located[s]
-        if first_holder[u] is not None and first_holder[u] != holder:
-            raise PlacementError(
-                f"{_where(nodes[members[u][0]])} and the ops aliasing it view or write "
-                f"tensors stored on {first_holder[u]!r} and {holder!r}, which must then be "
-                "one tensor on one worker; move one of them first (pointer.move(worker))"
-            )
-        first_holder[u] = holder
-    for u, holder in enumerate(first_holder):
-        if holder is not None:
-            fixed[u] = holder  # stored data cannot move: it wins over a pin
-    return Units(of, members, fixed, nbytes, stored)
+    split_homes = {}
+    for u, held in enumerate(homes):
+        if held:
+            fixed[u] = next(iter(held.values()))[0]  # stored data cannot move: wins over a pin
+        if len({w for w, _ in held.values()}) > 1:
+            split_homes[u] = held
+    return Units(of, members, fixed, nbytes, stored, split_homes)
+
+
+def storage_moves(nodes: list[Node], values: Mapping[int, Value]) -> dict[int, str]:
+    """Stored storages to move before `nodes` can run: storage -> the worker to move it to.
+
+    One op (or a unit of ops aliasing each other) may write or view tensors stored on two
+    workers, as batch norm does with its running mean and variance. Such a unit gathers on
+    the worker already holding the most of its bytes (the first one met on a tie); the
+    smaller ones move there.
+    """
+    moves: dict[int, str] = {}
+    for held in alias_units(nodes, values).split_homes.values():
+        per_worker: dict[str, int] = {}
+        for w, n in held.values():
+            per_worker[w] = per_worker.get(w, 0) + n
+        target = max(per_worker, key=per_worker.__getitem__)
+        moves.update((s, target) for s, (w, _) in held.items() if w != target)
+    return moves
 
 
 # --- place --------------------------------------------------------------------------------
@@ -223,6 +241,13 @@ def place(
 
 def _place(nodes, values, workers, cost, memory_cap, effort) -> dict[int, str]:
     units = alias_units(nodes, values)
+    for u, held in units.split_homes.items():
+        where = sorted({w for w, _ in held.values()})
+        raise PlacementError(
+            f"{_where(nodes[units.members[u][0]])} and the ops aliasing it view or write "
+            f"tensors stored on {' and '.join(map(repr, where))}, which must then be one "
+            "tensor on one worker; move all but one first (pointer.move(worker))"
+        )
     tl = Timeline(nodes, values, workers, cost)
     room = _room(tl, units, memory_cap)
     search = _Search(tl, units, room, [tl.index[w] for w in workers])

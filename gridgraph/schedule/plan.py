@@ -14,6 +14,10 @@ last step that made its value current: the call that produced it, or the last wr
 storage recorded before the reader. So a value is sent as early as it can be, and a write
 recorded after the reader cannot leak into what the reader sees.
 
+A transfer carries values in row-major order: a value laid out otherwise (a transposed
+view) is transposed in place to row-major order around its send and back after its recv,
+so both workers hold it in the dimension order the client's metadata says.
+
 Steps are grouped into stages: a worker's stage grows by one exactly where it needs a value
 from another worker. A worker receives all its stages in one message and moves on to the next
 stage as soon as the transfers it needs arrive, with no round trip to the client between.
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gridgraph.trace.graph import Const, Node, Ref, Value
+from gridgraph.trace.meta import TensorMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,10 +207,14 @@ def split(
             # point at which the value has the contents the reader must see.
             at = max(ready.get(vid, -1), last_write.get(storage(vid), -1))
             s_src = steps[src][at][0] if at >= 0 else 0
-            sends[src][at].append(("send", b.slot(vid), w))
+            slot = b.slot(vid)
+            swaps = _layout_swaps(values[vid].meta) if vid in values else []
+            to_row_major = [_transpose(slot, i, j) for i, j in swaps]
+            back = to_row_major[::-1]
+            sends[src][at].extend([*to_row_major, ("send", slot, w), *back])
             transfers.append(TransferEdge(vid, src, w, _nbytes(values, vid)))
             present[w].add(vid)
-            recvs.append(("recv", b.slot(vid), src))
+            recvs.extend([("recv", slot, src), *back])
             s = max(s, s_src + 1)
         stage[w] = s
         steps[w].extend((s, r) for r in recvs)
@@ -252,6 +261,39 @@ def split(
         uses,
         [placement[n.id] for n in nodes],
     )
+
+
+def _layout_swaps(meta: TensorMeta) -> list[tuple[int, int]]:
+    """Transpositions that bring a tensor of this layout into row-major dimension order.
+
+    A transfer carries values in row-major order, so the receiver's copy would be laid out
+    row-major whatever the sender's strides were; but the client's metadata, and torch,
+    expect a transposed tensor to stay transposed (ops that follow their input's layout
+    give other strides, and as_strided on their results reads other elements). So the
+    sender transposes in place to row-major order before sending and back after, and the
+    receiver transposes its copy back: the same dimension order at both ends. Dimensions of
+    size 1 have no order. Empty for a row-major layout (the common case): nothing added.
+    """
+    dims = [d for d, n in enumerate(meta.shape) if n > 1]
+    ordered = sorted(dims, key=lambda d: -meta.stride[d])  # stable: ties keep their order
+    if ordered == dims:
+        return []
+    target = list(range(len(meta.shape)))
+    for d, o in zip(dims, ordered):
+        target[d] = o
+    current = list(range(len(meta.shape)))
+    swaps = []
+    for i, want in enumerate(target):
+        j = current.index(want)
+        if j != i:
+            current[i], current[j] = current[j], current[i]
+            swaps.append((i, j))
+    return swaps
+
+
+def _transpose(slot: int, i: int, j: int) -> tuple:
+    """A call step transposing a value in place (metadata only), kept in its own slot."""
+    return ("call", "aten::transpose_", [Slot(slot), i, j], {}, [slot], [], False)
 
 
 def _nbytes(values: dict[int, Value], vid: int) -> int:

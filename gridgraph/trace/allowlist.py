@@ -15,11 +15,10 @@ differ from torch's) and `_embedding_bag_forward_only` (embedding_bag without au
 What is never listed: private kernels that skip checks (`_unsafe_*` other than
 `_unsafe_view`, `_reshape_alias`), sparse constructors and kernels, nested tensors built from
 raw buffers, `_test_*` ops, ops on process state (`manual_seed`, `seed`, `set_num_threads`),
-ops that change a stored tensor's sizes, strides or storage in place (`set_`, `resize_`,
-`as_strided_`), `out=` forms (they resize their output), files and raw memory (`from_file`,
-`data_ptr`). The private (leading `_`) overloads that are listed are the kernels behind
-public functions (`_softmax`, `_to_copy`, `_fft_c2c`, `_linalg_svd`, ...): each was reviewed
-and checks its arguments as its public function does.
+ops that swap a stored tensor's storage (`set_`), `out=` forms (they resize their output),
+files and raw memory (`from_file`, `data_ptr`). The private (leading `_`) overloads that are
+listed are the kernels behind public functions (`_softmax`, `_to_copy`, `_fft_c2c`,
+`_linalg_svd`, ...): each was reviewed and checks its arguments as its public function does.
 
 Two properties the worker adds (exec/ops.py): every result is checked against its storage's
 bounds (a view reaching past its storage is refused), and the results of the ops in
@@ -38,7 +37,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
         "add.Tensor", "add_.Scalar", "add_.Tensor", "addcdiv", "addcdiv_", "addcmul", "addcmul_",
         "angle", "asin", "asin_", "asinh", "asinh_", "atan", "atan2", "atan2_", "atan_", "atanh",
         "atanh_", "bitwise_and.Tensor", "bitwise_and_.Tensor", "bitwise_left_shift.Tensor",
-        "bitwise_left_shift_.Tensor", "bitwise_not", "bitwise_not_", "bitwise_or.Tensor",
+        "_foreach_add_.Scalar", "bitwise_left_shift_.Tensor", "bitwise_not", "bitwise_not_",
+        "bitwise_or.Tensor",
         "bitwise_or_.Tensor", "bitwise_right_shift.Tensor", "bitwise_right_shift_.Tensor",
         "bitwise_xor.Tensor", "bitwise_xor_.Tensor", "ceil", "ceil_", "celu", "celu_", "clamp",
         "clamp.Tensor", "clamp_", "clamp_.Tensor", "clamp_max.Tensor", "clamp_max_.Tensor",
@@ -105,10 +105,18 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     ),
     # results that share their input's storage (checked against its bounds)
     "views": (
-        "_conj", "_unsafe_view", "alias", "as_strided", "detach", "diagonal", "expand", "permute",
+        "_conj", "_neg_view", "_unsafe_view", "alias", "as_strided", "detach", "diagonal", "expand",
+        "permute",
         "select.int", "slice.Tensor", "split.Tensor", "split_with_sizes", "squeeze", "squeeze.dim",
         "squeeze.dims", "t", "transpose.int", "unbind.int", "unfold", "unsqueeze", "view",
         "view_as_complex", "view_as_real"
+    ),
+    # in place, a tensor's layout: its own dimensions reordered, dropped or added where of
+    # size 1 (the plan transposes around transfers with these), set at will (as_strided_) or
+    # resized (resize_), both checked to stay inside the storage before they run
+    "layout in place": (
+        "as_strided_", "resize_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
+        "unsqueeze_"
     ),
     # copies, concatenation, reordering, triangles
     "shape and copy": (
@@ -167,7 +175,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
         "col2im", "constant_pad_nd", "convolution", "embedding", "fractional_max_pool2d",
         "fractional_max_pool3d", "glu", "grid_sampler_2d", "grid_sampler_3d", "hardswish",
         "huber_loss", "im2col", "log_sigmoid_forward", "max_pool2d_with_indices",
-        "max_pool3d_with_indices", "max_unpool2d", "max_unpool3d", "mse_loss", "multi_margin_loss",
+        "max_pool3d_with_indices", "max_unpool2d", "max_unpool3d", "mkldnn_rnn_layer", "mse_loss",
+        "multi_margin_loss",
         "multilabel_margin_loss_forward", "native_batch_norm", "native_group_norm",
         "native_layer_norm", "nll_loss2d_forward", "nll_loss_forward", "pixel_shuffle",
         "pixel_unshuffle", "reflection_pad1d", "reflection_pad2d", "reflection_pad3d",
@@ -192,7 +201,7 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
         "glu_backward", "grid_sampler_2d_backward", "grid_sampler_3d_backward",
         "hardshrink_backward", "hardsigmoid_backward", "hardswish_backward", "hardtanh_backward",
         "huber_loss_backward", "leaky_relu_backward", "log_sigmoid_backward", "logit_backward",
-        "masked_scatter_backward", "max_pool2d_with_indices_backward",
+        "masked_scatter_backward", "max_pool2d_with_indices_backward", "mkldnn_rnn_layer_backward",
         "max_pool3d_with_indices_backward", "mish_backward", "mse_loss_backward",
         "multi_margin_loss_backward", "multilabel_margin_loss_backward",
         "native_batch_norm_backward", "native_dropout_backward", "native_group_norm_backward",
@@ -224,9 +233,8 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "a ZeroTensor: a tensor with no storage that kernels must special-case": (
         "_efficientzerotensor",
     ),
-    "changes a stored tensor's sizes, strides or storage in place": (
-        "as_strided_", "resize_", "resize_as_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_",
-        "transpose_", "unsqueeze_"
+    "changes a stored tensor's storage to another's size in place": (
+        "resize_as_",
     ),
     "out= forms: they resize the tensor they write": (
         "addmm.out", "amax.out", "div.out", "mm.out", "mul.out"

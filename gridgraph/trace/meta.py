@@ -6,7 +6,10 @@ it. We run the op on meta tensors (PyTorch's shape-only device) once per distinc
 time costs a dictionary look-up per op.
 
 Ops whose output shape depends on the data (nonzero, unique, masked_select, ...) have no meta
-kernel; `infer` raises `DataDependent` for them and the recorder runs them for real.
+kernel; `infer` raises `DataDependent` for them and the recorder runs them for real. So do ops
+whose meta kernel fails because it reads values (`allclose` calls `.item()`, `tensor_split`
+wants its indices on the CPU): a meta kernel that raises is never the last word, the worker
+runs the op and either gives the result or raises torch's own error.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ class TensorMeta(NamedTuple):
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
+    # Lazy conjugate / negation bits of complex views (x.conj()): 1 conj, 2 neg. Code above
+    # ATen branches on them (x.is_conj()), so a pointer carries the ones torch would have.
+    bits: int = 0
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorMeta:
-        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        bits = t.is_conj() | t.is_neg() << 1 if t.dtype.is_complex else 0
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, bits)
 
     @property
     def nbytes(self) -> int:
@@ -41,11 +48,40 @@ class TensorMeta(NamedTuple):
         if 0 in self.shape:
             extent = 0
         base = torch.empty(self.offset + extent, dtype=self.dtype, device="meta")
-        return base.as_strided(self.shape, self.stride, self.offset)
+        return self.mark(base.as_strided(self.shape, self.stride, self.offset))
+
+    def mark(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` with this metadata's conjugate and negation bits set."""
+        if self.bits & 1:
+            torch._C._set_conj(t, True)
+        if self.bits & 2:
+            torch._C._set_neg(t, True)
+        return t
+
+
+def as_sent(t: torch.Tensor) -> torch.Tensor:
+    """A local tensor as a worker receives it (`gg.send`, or mixed into an op): its values,
+    row-major from offset 0, lazy conjugation applied; a copy only when `t` is not so already.
+    What the client records about it must describe this, not the sender's layout."""
+    t = t.detach().resolve_conj().resolve_neg()
+    row_major, n = [], 1
+    for size in reversed(t.shape):
+        row_major.append(n)
+        n *= size
+    if t.storage_offset() == 0 and t.stride() == tuple(reversed(row_major)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class DataDependent(Exception):
-    """The op's output metadata depends on the input values; it must run to be known."""
+    """The op's output metadata depends on the input values; it must run to be known.
+
+    `error` is what the meta kernel raised when it failed rather than declining (it may be
+    the user's own mistake, such as mismatched shapes)."""
+
+    def __init__(self, message: str, error: Exception | None = None) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class OutputSpec(NamedTuple):
@@ -72,8 +108,11 @@ def infer(op: torch._ops.OpOverload, key: Any, make_args) -> OutputSpec:
         out = op(*args, **kwargs)
     except NotImplementedError as e:
         # No meta kernel: nonzero, masked_select, unique, boolean indexing, equal, ...
-        # (A wrong shape raises RuntimeError instead, which goes to the user as it is.)
         raise DataDependent(str(e)) from e
+    except RuntimeError as e:
+        # A meta kernel that reads values (.item(), indices it wants on the CPU), or a
+        # mistake in the call that running it for real reports as torch would.
+        raise DataDependent(str(e), e) from e
     spec = _spec_of(out)
     _cache[key] = spec
     return spec

@@ -6,7 +6,8 @@ call on it is recorded (`record.py`). Autograd runs above it unchanged, so `requ
 
 A pointer names one value id at a time. An in-place op rebinds it to the value that op
 produces (the same storage on the worker), which is how `x.add_(1)` keeps `x` meaning "the
-latest contents of x".
+latest contents of x". An in-place op that changes the shape or strides (`x.t_()`,
+`x.squeeze_()`, `x.resize_(n)`) also gives the pointer the new layout, as torch does.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class RemoteTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, owner: Any, value_id: int, meta: TensorMeta, requires_grad: bool = False):
+        if cls is RemoteTensor and meta.dtype in _INDEX_DTYPES:
+            cls = IndexPointer
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             meta.shape,
@@ -36,6 +39,7 @@ class RemoteTensor(torch.Tensor):
             device="cpu",
             requires_grad=requires_grad,
         )
+        meta.mark(t)
         t._owner = owner
         t._vid = value_id
         return t
@@ -46,6 +50,19 @@ class RemoteTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return record(func, args, kwargs or {}, RemoteTensor)
+
+    def _set_meta(self, meta: TensorMeta) -> None:
+        """Take the shape, strides and offset an in-place op gave this tensor (transpose_,
+        squeeze_, resize_, as_strided_ ...). The pointer's storage is a data-less stand-in:
+        a fresh one of the size the new layout needs keeps torch's bounds checks happy."""
+        stand_in = torch.Tensor._make_wrapper_subclass(
+            RemoteTensor, meta.shape, strides=meta.stride, storage_offset=meta.offset,
+            dtype=meta.dtype, device="cpu",
+        )  # fmt: skip
+        with torch._C._DisableTorchDispatch():  # set_ here must not be recorded
+            torch.ops.aten.set_.source_Storage_storage_offset(
+                self, stand_in.untyped_storage(), meta.offset, meta.shape, meta.stride
+            )
 
     # --- what users call ---------------------------------------------------------------------
 
@@ -91,3 +108,36 @@ class RemoteTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: int):
         raise TypeError("a RemoteTensor cannot be pickled; call .get() for its value")
+
+
+class IndexPointer(RemoteTensor):
+    """A pointer to an integer tensor: what can hold indices. A few torch functions read
+    an index tensor's values straight from memory in C++ (`tensor_split(x, indices)`),
+    where a pointer has none; this type catches those above dispatch and fetches the values
+    first (a sync point, like `.item()`). Only integer pointers pay for the check."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _READS_VALUES:
+            args, kwargs = _READS_VALUES[func](args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+_INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def _split_points(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """tensor_split(x, indices_or_sections) with a tensor: its int or list of ints."""
+    for name in ("indices_or_sections", "tensor_indices_or_sections"):
+        if isinstance(kwargs.get(name), RemoteTensor):
+            kwargs = {**kwargs, name: kwargs[name].tolist()}
+    if len(args) > 1 and isinstance(args[1], RemoteTensor):
+        args = (args[0], args[1].tolist(), *args[2:])
+    return args, kwargs
+
+
+# Functions whose composite kernels read an index tensor's data pointer (not through .item(),
+# which records), with what turns their pointer arguments into values.
+_READS_VALUES = {torch.tensor_split: _split_points, torch.Tensor.tensor_split: _split_points}

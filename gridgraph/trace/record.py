@@ -13,6 +13,10 @@ For each call we
    and the user's pointer is rebound to that version;
 4. hand the node to the pointer's owner (the client), which runs it at once outside
    `trace()` and defers it inside.
+
+An op the workers do not run (off their allowlist, or a `torch.library.custom_op` outside
+the aten namespace) is recorded as what torch itself decomposes it into, when torch has a
+decomposition; else it is refused at the call with `RecordError`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,10 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch._decomp import decomposition_table
 
 from gridgraph.errors import PlacementError, RecordError
-from gridgraph.trace.allowlist import ALLOWED
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
-from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, infer
+from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, infer
 
 if TYPE_CHECKING:
     from gridgraph.trace.pointer import RemoteTensor
@@ -54,6 +56,10 @@ class Owner(Protocol):
     def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
 
     def discard(self, node: Node) -> None: ...
+
+    def refusal(self, op: torch._ops.OpOverload) -> str | None:
+        """Why workers would not run `op`, or None when they run it."""
+        ...
 
 
 # --- trace() -----------------------------------------------------------------------------
@@ -159,6 +165,8 @@ class Aliasing:
                 src = next((owner_of_set[s] for s in info.before_set if s in owner_of_set), None)
                 self.returns.append((src, info.is_write))
         self.written = written
+        # Whether the op writes an argument or returns a view of one.
+        self.aliases = bool(written) or any(src is not None for src, _ in self.returns)
 
 
 @cache
@@ -205,8 +213,8 @@ class _Walk:
                 )
             if a.layout != torch.strided:
                 raise RecordError(f"tensors with layout {a.layout} are not supported")
-            self.key.append(("const", TensorMeta.of(a)))
-            const = Const(a.detach())
+            const = Const(as_sent(a))
+            self.key.append(("const", TensorMeta.of(const.tensor)))
             self.params.append(const.tensor)
             return const
         if isinstance(a, (list, tuple)):
@@ -248,15 +256,22 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     if op is aten._local_scalar_dense.default:  # .item(), bool(p), int(p): a sync point
         p = args[0]
         return p._owner.fetch(p._vid).item()
-    if not _listed(op):  # workers run only allowlisted ops: record what this one is made of
-        return _decompose(op, args, kwargs)
 
     walk = _Walk(pointer_type)
     t_args = tuple([walk.convert(a) for a in args])
     walk.key.append("|")
-    t_kwargs = {k: walk.convert(v) for k, v in kwargs.items()}
+    t_kwargs = {}
+    for k, v in kwargs.items():
+        walk.key.append(k)  # torch leaves out kwargs equal to their default: names count
+        t_kwargs[k] = walk.convert(v)
     owner = walk.owner
     assert owner is not None, "dispatch reached gridgraph without a pointer argument"
+    refused = owner.refusal(op)
+    if refused is not None:
+        decomposed = decomposition(op)
+        if decomposed is None:
+            raise RecordError(f"{op_name(op)} cannot run on a worker: {refused}")
+        return decomposed(*args, **kwargs)  # its ops come back here, one by one
     graph = owner.graph
     alias = aliasing(op)
 
@@ -270,7 +285,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
                 {k: to_meta(v, graph) for k, v in t_kwargs.items()},
             ),
         )
-    except DataDependent:
+    except DataDependent as e:
+        if e.error is not None and alias.aliases:
+            raise e.error from None  # a view or in-place op failing on meta: a wrong call
         spec = None
 
     where = user_frame()
@@ -297,6 +314,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     results: list[Any] = []
     outputs: list[int] = []
     covered_writes: set[Any] = set()
+    restrides: list[tuple[Any, TensorMeta]] = []  # pointers whose shape the op changes
     for i, meta in enumerate(spec.metas):
         if meta is None:  # the op returned no tensor here
             results.append(None)
@@ -316,11 +334,8 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
             storage = graph.values[base._vid].storage
             value = graph.add_value(meta, storage=storage, producer=node.id)
             if is_write:
-                if meta != graph.values[base._vid].meta:
-                    raise RecordError(
-                        f"{op} changes the shape or strides of a tensor in place, which "
-                        "remote tensors do not support; use the out-of-place form"
-                    )
+                if meta != graph.values[base._vid].meta:  # transpose_, squeeze_, resize_ ...
+                    restrides.append((base, meta))
                 covered_writes.add(path if not isinstance(arg, (list, tuple)) else (path, i))
                 results.append(base)
             else:
@@ -353,17 +368,38 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         p = _pointer_at(args, kwargs, path)
         undo.append((p, p._vid))
         owner.rebind(p, vid)
+    shaped_before = [(p, TensorMeta.of(p)) for p, _ in restrides]
+    for p, meta in restrides:
+        p._set_meta(meta)
     out = [r if r is None or isinstance(r, pointer_type) else owner.make_pointer(r)
            for r in results]  # fmt: skip
     try:
         owner.record(node, eager=not tracing())
-    except PlacementError:
+    except (PlacementError, RecordError):
         # Nothing ran: leave every pointer naming what it named before the call.
         for p, vid in reversed(undo):
             owner.rebind(p, vid)
+        for p, meta in shaped_before:
+            p._set_meta(meta)
         owner.discard(node)
         raise
     return _structure(spec.kind, out)
+
+
+@cache
+def decomposition(op: torch._ops.OpOverload) -> Any:
+    """What torch would run `op` as: its composite kernel (ops that reach us from inside a
+    decomposition, where autograd no longer expands them), its entry in torch's
+    decomposition table, or a custom op's own Python implementation; else None."""
+    from torch._decomp import decomposition_table  # heavy: imported on first need
+    from torch._library.custom_ops import OPDEFS
+
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
+        return op.decompose
+    found = decomposition_table.get(op)
+    if found is None:
+        found = getattr(OPDEFS.get(op._schema.name), "_init_fn", None)
+    return found
 
 
 def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:
@@ -399,22 +435,6 @@ def _structure(kind: str, out: list[Any]) -> Any:
 
 
 _signatures: dict[tuple, int] = {}
-
-
-@cache
-def _listed(op: torch._ops.OpOverload) -> bool:
-    return op_name(op) in ALLOWED
-
-
-def _decompose(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Run PyTorch's decomposition of an op outside the allowlist: its ops are recorded."""
-    decomposition = decomposition_table.get(op)
-    if decomposition is None:
-        raise RecordError(
-            f"{op_name(op)} is not on the workers' op allowlist (gridgraph/trace/allowlist.py) "
-            "and PyTorch has no decomposition of it into listed ops"
-        )
-    return decomposition(*args, **kwargs)
 
 
 # How many value ids to set aside for a data-dependent op's outputs before we know them.

@@ -62,10 +62,6 @@ FORBIDDEN_CALLS = {
         call("aten::set_.source_Tensor", [Slot(0), Slot(0)], [1]),
     ],
     "_test_ ops": [call("aten::_test_serialization_subcmul", [Slot(0), Slot(0)], [1])],
-    "resize_ of a stored tensor": [call("aten::resize_", [Slot(0), [1 << 20]], [1])],
-    "as_strided_ of a stored tensor": [
-        call("aten::as_strided_", [Slot(0), [1 << 20], [1]], [1]),
-    ],
     "a nested tensor from a raw buffer": [
         call("aten::_nested_view_from_buffer", [Slot(0), Slot(0), Slot(0), Slot(0)], [1]),
     ],
@@ -82,6 +78,25 @@ def test_ops_outside_the_allowlist_are_refused(arena, attack):
     # only after it had reseeded the process-wide generator).
     assert "op allowlist" in reply["error"]["message"] or "not an ATen op name" in str(reply)
     assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+
+
+def test_as_strided_in_place_past_its_storage_is_refused_before_it_changes_anything(arena):
+    arena.attacker_put(1, torch.arange(4.0))
+    steps = [call("aten::as_strided_", [Slot(0), [1 << 20], [1]], [0], writes=[[0, 0]])]
+    reply = arena.refused(run(steps, [1]))
+    assert "storage" in reply["error"]["message"]
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+    arena.check()
+
+
+def test_resize_in_place_past_its_storage_is_refused_before_it_changes_anything(arena):
+    # Growing would allocate: memory another client freed, and bytes the store never counted.
+    arena.attacker_put(1, torch.arange(4.0))
+    steps = [call("aten::resize_", [Slot(0), [1 << 20]], [0], writes=[[0, 0]])]
+    reply = arena.refused(run(steps, [1]))
+    assert "would grow the tensor's storage" in reply["error"]["message"]
+    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+    arena.check()
 
 
 def test_uninitialised_memory_never_shows_another_clients_data(arena):

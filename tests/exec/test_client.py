@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -204,3 +205,71 @@ def test_what_nobody_asked_for_is_not_computed(local_grid):
     wanted.compute()
     assert local_grid.stats()["workers"]["w0"]["ops_run"] == 1
     assert wanted.computed and not unwanted.computed
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda p: p.chalf(), "dtype torch.complex32"),  # the wire carries no complex32
+        (lambda p: torch.ops.aten.hash_tensor(p), "dtype torch.uint64"),
+        (lambda p: p.to_sparse(), "only dense"),
+        (lambda p: p.set_(torch.ones(3)), "not on the workers' op allowlist"),  # off the allowlist
+    ],
+    ids=["complex32", "uint64", "sparse", "refused_op"],
+)
+def test_what_workers_cannot_do_is_refused_at_the_call(local_grid, call, match, traced):
+    """Before: the worker ran it, then failed to encode its reply, and the client waited
+    its whole timeout. Now nothing is sent, and the pointer is unchanged."""
+    a = torch.randn(3)
+    p = gg.send(a, local_grid.workers[0])
+    local_grid.reset_stats()
+    with pytest.raises(gg.RecordError, match=match):
+        with gg.trace() if traced else contextlib.nullcontext():
+            call(p)
+    assert local_grid.stats()["messages"] == 0
+    assert not local_grid.client.graph.pending
+    assert torch.equal(p.get(), a)
+
+
+@torch.library.custom_op("gridgraph_test::scaled_add", mutates_args=())
+def scaled_add(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    return x + alpha * y
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_workers_refuse_run_as_torchs_decomposition(local_grid, traced):
+    """_unsafe_masked_index is off the workers' allowlist (it skips bounds checks), and a
+    torch.library custom op is not in the aten namespace: both are recorded as what torch
+    decomposes them into (the custom op: its own Python implementation)."""
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    mask, index = torch.tensor([[True], [False], [True], [True]]), torch.tensor([3, 9, 0, 1])
+
+    def fn(x, y):
+        return torch.ops.aten._unsafe_masked_index(x, mask, [index], -1.0), scaled_add(x, y, 0.5)
+
+    want = fn(x, y)
+    w0, w1, _ = local_grid.workers
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = fn(gg.send(x, w0), gg.send(y, w1))
+    torch.testing.assert_close([p.get() for p in got], list(want))
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_a_sent_view_is_its_values_from_offset_zero(local_grid, traced):
+    """gg.send(base[5:15]) stores the ten values, from offset 0 of their own storage: the
+    pointer says so too, so as_strided and its gradient address those values (before, the
+    pointer kept the sender's offset 5 and the gradient came out zero)."""
+    base = torch.randn(20)
+    x, grad_out = base[5:15], torch.randn(2, 2)
+    local = x.clone().requires_grad_(True)
+    want = torch.as_strided(local, (2, 2), (1, 2), storage_offset=0)
+    (want_grad,) = torch.autograd.grad(want, local, grad_out)
+    p = gg.send(x, local_grid.workers[0]).requires_grad_(True)
+    assert p.storage_offset() == 0 and p.stride() == (1,)
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = torch.as_strided(p, (2, 2), (1, 2), storage_offset=0)
+        (got_grad,) = torch.autograd.grad(got, p, gg.send(grad_out, local_grid.workers[1]))
+    assert torch.equal(got.get(), want.detach()) and torch.equal(got_grad.get(), want_grad)
+    # A local view mixed into an op is shipped the same way.
+    assert torch.equal((p.detach() + x).get(), x + x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -138,3 +139,22 @@ def test_backward_with_unrequested_grads_stays_deferred(local_grid):
     assert local_grid.stats()["messages"] == 0  # still recorded, nothing ran
     local(X).sum().backward()
     torch.testing.assert_close(conv.weight.grad.get(), local.weight.grad)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_gradients_through_in_place_shape_changes(local_grid, traced):
+    """t_ and unsqueeze_ on a result and on a view of it, then backward, as in torch."""
+
+    def f(a):
+        v = a * 2
+        v.t_()
+        row = v[0]
+        row.unsqueeze_(0)
+        return (row * torch.arange(3.0)).sum() + v.sum()
+
+    a = torch.randn(3, 2, requires_grad=True)
+    f(a).backward()
+    p = gg.send(a.detach(), local_grid.workers[0]).requires_grad_(True)
+    with gg.trace() if traced else contextlib.nullcontext():
+        f(p).backward()
+    torch.testing.assert_close(p.grad.get(), a.grad)

@@ -128,6 +128,12 @@ CASES = {
         r(4, 5),
     ),
     "as_strided": (lambda a: a.as_strided((3, 3), (1, 3), 2), r(4, 5)),
+    # one element expanded: stride 0 on dimensions of size 1, as sent back and shipped along
+    "expand_one_element": (
+        lambda a, b: (a.expand_as(b), b + torch.tensor(2.0).expand(1, 1), a.expand(1, 1, 1)),
+        r(1).reshape(()),
+        r(1, 1),
+    ),
     # dtype casts
     "casts": (
         lambda a: (a.double(), a.to(torch.float16), (a * 10).long(), a.bool(), a.int()),
@@ -192,6 +198,92 @@ def test_mutation_matches_torch(grid, fn, inputs, traced):
     check(grid, fn, *inputs, traced=traced, exact=True)
 
 
+def _complex(*shape):
+    return torch.randn(*shape, dtype=torch.complex64, generator=g)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_lazy_conjugation_matches_torch(local_grid, traced):
+    """x.conj() is a view with a conjugate bit: the pointer carries it as torch's tensor
+    does (code above ATen branches on it), and sending or fetching one sends its values."""
+    a = _complex(8)
+
+    def fn(a):
+        c = a.conj()
+        return c, c.is_conj(), torch.fft.hfft(c), c.imag, torch.view_as_real(c.resolve_conj())
+
+    check(local_grid, fn, a, traced=traced)
+    p = gg.send(a.conj(), local_grid.workers[1])  # a conjugate view sent as its values
+    assert torch.equal(p.get(), a.conj())
+    with pytest.raises(RuntimeError, match="conjugate"):
+        torch.view_as_real(p.conj())  # refused at the call, as torch refuses it
+
+
+# Tensors with no elements: recorded, placed, split, sent and run like any other.
+EMPTY_CASES = {
+    "matmul": (lambda a, b: a @ b, r(0, 3), r(3, 2)),
+    "cat_reduce": (lambda a, b: (torch.cat([a, b]), a.sum(0), b.mean(1)), r(0, 3), r(2, 3)),
+    "views": (lambda a: (a.t(), a.view(3, 0), a[:, 1:], a.unsqueeze(1)), r(0, 3)),
+    "inplace": (lambda a: a.add_(1).mul_(2), r(2, 0)),
+    "empty_to_full": (lambda a, b: b + a.sum(), r(0), r(4)),
+}
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
+def test_zero_element_tensors(grid, name, traced):
+    fn, *inputs = EMPTY_CASES[name]
+    check(grid, fn, *inputs, traced=traced, exact=True)
+
+
+def _shape_in_place(a, b):
+    a.t_()  # (3, 2) -> (2, 3)
+    a.unsqueeze_(0).transpose_(0, 2)  # (3, 2, 1)
+    a.squeeze_(2).swapdims_(0, 1)  # (2, 3)
+    return a.shape, a + b, a.stride(), a.contiguous()
+
+
+def _resize_and_restride(a):
+    a.as_strided_((2, 2), (1, 3), 1)
+    b = a * 1
+    a.resize_(3)  # shrinks: the first three elements of the storage stay
+    return b, a.shape, a.clone()
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+@pytest.mark.parametrize(
+    "fn, inputs",
+    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),))],
+    ids=["squeeze_unsqueeze_transpose", "as_strided_resize"],
+)
+def test_in_place_shape_changes_match_torch(grid, fn, inputs, traced):
+    """In-place ops that change shape or strides rebind the pointer with the new layout."""
+    check(grid, fn, *inputs, traced=traced, exact=True)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_that_change_shapes_in_place_inside(local_grid, traced):
+    """matmul with a 1-D operand, quantile and stft use squeeze_ / transpose_ internally."""
+    window = torch.hann_window(8)
+    fn = lambda a, b, c: (a @ b, b.t() @ a, torch.quantile(b, 0.3, dim=1),  # noqa: E731
+                          torch.stft(c, 8, window=window, return_complex=True))  # fmt: skip
+    check(local_grid, fn, r(3), r(3, 4), r(64), traced=traced)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_keyword_arguments_are_told_apart(local_grid, traced):
+    """torch drops keyword arguments equal to their default, so right=True and
+    out_int32=True reach ATen as one bool each: neither the shape cache nor the plan cache
+    may mix them up."""
+    a, bounds = r(6), torch.sort(r(4))[0]
+
+    def fn(a, bounds):
+        return [torch.bucketize(a, bounds, right=True), torch.bucketize(a, bounds, out_int32=True)]
+
+    for _ in range(2):  # the second time runs cached plans
+        check(local_grid, fn, a, bounds, traced=traced, exact=True)
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_batch_norm_updates_running_stats(grid, traced):
     x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
@@ -203,16 +295,56 @@ def test_batch_norm_updates_running_stats(grid, traced):
     torch.testing.assert_close(_get(got), want)
 
 
-def test_one_op_writing_tensors_on_two_workers_is_refused(local_grid):
-    w0, w1, w2 = local_grid.workers
-    x, mean, var = (
-        gg.send(r(4, 3, 2, 2), w0),
-        gg.send(torch.zeros(3), w1),
-        gg.send(torch.ones(3), w2),
-    )
-    with pytest.raises(gg.GridError, match="move one of them first"):
-        _batch_norm_running_stats(x, mean, var)
-    assert torch.equal(mean.get(), torch.zeros(3))  # nothing was half-applied
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_one_op_writing_tensors_on_two_workers_moves_one(grid, traced):
+    """Running stats on two workers: one moves to the other, then batch norm runs there."""
+    x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
+    want = _batch_norm_running_stats(x, mean.clone(), var.clone())
+    w0, w1, w2 = grid.workers
+    args = gg.send(x, w0), gg.send(mean, w1), gg.send(var, w2)
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = _batch_norm_running_stats(*args)
+    torch.testing.assert_close(_get(got), want)
+    assert args[1].location == args[2].location == "w1"  # a tie: the first one stays
+
+
+def test_the_smaller_tensor_moves(local_grid):
+    w0, w1, _ = local_grid.workers
+    big, small = r(4096), r(4)
+    p_big, p_small = gg.send(big.clone(), w1), gg.send(small.clone(), w0)
+    local_grid.reset_stats()
+    torch._foreach_add_([p_small, p_big], 1.0)  # one op writing both
+    assert p_small.location == p_big.location == "w1"
+    assert local_grid.stats()["bytes"] < 4096 * 4  # the big one did not travel
+    assert torch.equal(p_big.get(), big + 1) and torch.equal(p_small.get(), small + 1)
+
+
+def test_a_view_on_another_worker_is_not_moved(local_grid):
+    w0, w1, _ = local_grid.workers
+    a, b = r(4, 3), r(100)
+    pa, pb = gg.send(a, w0), gg.send(b, w1)  # b is larger: a's storage would move
+    row = pa[1]  # a view of a: moving it alone would break the aliasing
+    with pytest.raises(gg.PlacementError, match="shares its storage"):
+        torch._foreach_add_([row, pb], 1.0)
+    assert torch.equal(pa.get(), a) and torch.equal(pb.get(), b)  # nothing half-applied
+    assert (pa.location, pb.location) == ("w0", "w1")
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_a_transferred_tensor_keeps_its_layout(grid, traced):
+    """A transposed tensor sent to another worker stays transposed there: what is computed
+    from it has torch's strides, so as_strided on the result reads torch's elements."""
+    a, b = r(3, 4), r(4, 3)
+
+    def fn(a, b):
+        y = a.t() + b  # the sum follows a.t()'s layout: strides (1, 4)
+        return y.as_strided((2, 2), (1, 4)), y.stride(), y.permute(1, 0).contiguous()
+
+    want = fn(a, b)
+    pa, pb = gg.send(a, grid.workers[0]), gg.send(b, grid.workers[1])
+    with gg.trace() if traced else contextlib.nullcontext(), gg.on(grid.workers[1]):
+        got = fn(pa, pb)  # a.t() is a view: it stays on w0, the sum runs on w1
+    torch.testing.assert_close(_get(got), want, rtol=0, atol=0)
 
 
 def test_later_read_sees_write_through_view(grid):
@@ -239,6 +371,34 @@ def test_later_read_sees_write_through_view(grid):
 )
 def test_data_dependent_ops(grid, fn):
     check(grid, fn, r(4, 5))
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_ops_whose_meta_kernel_reads_values_run_for_real(local_grid, traced):
+    """allclose calls .item() inside its meta kernel; it runs on the worker instead."""
+    a = r(4, 5)
+    fn = lambda a, b: (torch.allclose(a, b), torch.allclose(a, a + 1e-9), (a - b).mean())  # noqa: E731
+    check(local_grid, fn, a, a * 2, traced=traced)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_tensor_split_at_remote_indices(local_grid, traced):
+    """tensor_split's C++ reads its index tensor's memory; a pointer's values are fetched."""
+    fn = lambda a, at, n: (a.tensor_split(at), torch.tensor_split(a, n, 1))  # noqa: E731
+    check(local_grid, fn, r(6, 4), torch.tensor([1, 4]), torch.tensor(3), traced=traced)
+
+
+def test_a_wrong_call_still_raises_torchs_error_at_once(local_grid):
+    w0, w1, _ = local_grid.workers
+    a, b = gg.send(r(3, 4), w0), gg.send(r(5), w1)
+    local_grid.reset_stats()
+    with pytest.raises(RuntimeError, match="broadcast|size") as raised:
+        a.add_(b)  # in place: refused on the meta device, nothing is sent
+    assert not isinstance(raised.value, gg.RemoteError)
+    assert local_grid.stats()["messages"] == 0
+    with pytest.raises(RuntimeError, match="broadcast|size"):
+        with gg.trace():
+            (a + b).sum().item()
 
 
 def test_sync_points(grid):

@@ -1,0 +1,258 @@
+"""The sweep: every unit of every selected OpInfo entry, run in crash-proof worker processes.
+
+A small pool of long-lived child processes (this file run with `--serve`) imports torch, the
+OpInfo database and gridgraph once, then takes one entry at a time from the parent and
+streams back what happens: the unit it starts, each sample it starts, each unit's `Outcome`.
+So the parent always knows which unit is in flight:
+
+    a child that dies (segfault, abort, exit)   that unit fails as "crash", the child is
+                                                restarted, the entry's other units carry on
+    a sample that runs past `sample_timeout`    that unit fails as "timeout", the child is
+                                                killed and restarted, the same way
+
+Children run with one intra-op thread each, and import gridgraph from this checkout.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+from opinfo_cases import DTYPES, MODES, Outcome
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A child that gives no sign of life for this long is hung (a sample takes milliseconds).
+SAMPLE_TIMEOUT = 10.0
+# Importing torch and the OpInfo database takes several seconds; allow for a busy machine.
+START_TIMEOUT = 120.0
+
+
+@dataclasses.dataclass
+class Selection:
+    """Which entries, dtypes and modes a sweep runs (all of them by default)."""
+
+    entries: str = ""  # a regular expression an entry id must match (re.search)
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    modes: tuple[str, ...] = MODES
+
+    @classmethod
+    def from_env(cls) -> Selection:
+        """$GG_CONFORMANCE_ENTRIES (regex), $GG_CONFORMANCE_DTYPES and $GG_CONFORMANCE_MODES
+        (comma-separated) narrow the pytest run while developing; unset, everything."""
+        env = os.environ.get
+        return cls(
+            entries=env("GG_CONFORMANCE_ENTRIES", ""),
+            dtypes=tuple(env("GG_CONFORMANCE_DTYPES", ",".join(DTYPES)).split(",")),
+            modes=tuple(env("GG_CONFORMANCE_MODES", ",".join(MODES)).split(",")),
+        )
+
+
+def plan(selection: Selection) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The work: each selected entry with its (dtype, mode) units, in op_db order."""
+    from opinfo_cases import load_entries, units_of
+
+    pattern = re.compile(selection.entries)
+    work = []
+    for entry, op in load_entries().items():
+        units = units_of(op, selection.dtypes, selection.modes)
+        if units and pattern.search(entry):
+            work.append((entry, units))
+    return work
+
+
+class Child:
+    """One worker process of the pool, and the entry it is running."""
+
+    def __init__(self, log_dir: str, index: int) -> None:
+        self.log_path = os.path.join(log_dir, f"child{index}.log")
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+        self.entry: str | None = None
+        self.remaining: list[tuple[str, str]] = []  # units not reported yet
+        self.current: tuple[str, str] | None = None  # the unit in flight
+        self.deadline = 0.0
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                cwd=ROOT,
+                env=env,
+            )
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        self.buffer = b""
+
+    def assign(self, entry: str, units: list[tuple[str, str]]) -> None:
+        self.entry, self.remaining, self.current = entry, list(units), None
+        self.deadline = time.monotonic() + START_TIMEOUT
+        self.proc.stdin.write(json.dumps({"entry": entry, "units": units}).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def stop(self, grace: float = 0.0) -> int:
+        """Close its input (a child exits at end of input), wait up to `grace` seconds, then
+        kill it if still running; returns the exit status."""
+        self.proc.stdin.close()
+        try:
+            rc = self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            rc = self.proc.wait()
+        self.proc.stdout.close()
+        return rc
+
+    def lines(self) -> Iterable[dict] | None:
+        """Messages that arrived; None once the child has closed its end (it died)."""
+        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return None
+        self.buffer += chunk
+        *complete, self.buffer = self.buffer.split(b"\n")
+        return [json.loads(line) for line in complete if line]
+
+
+def sweep(
+    work: list[tuple[str, list[tuple[str, str]]]],
+    processes: int = 2,
+    sample_timeout: float = SAMPLE_TIMEOUT,
+    on_outcome: Callable[[Outcome], None] = lambda o: None,
+) -> list[Outcome]:
+    """Run `work` (from `plan`) on `processes` children; one Outcome per unit."""
+    queue = collections.deque(work)
+    outcomes: list[Outcome] = []
+
+    def report(o: Outcome) -> None:
+        outcomes.append(o)
+        on_outcome(o)
+
+    with tempfile.TemporaryDirectory(prefix="gg-conformance-") as log_dir:
+        children = [Child(log_dir, i) for i in range(min(processes, len(work)) or 1)]
+        selector = selectors.DefaultSelector()
+        for c in children:
+            c.start()
+            selector.register(c.proc.stdout, selectors.EVENT_READ, c)
+
+        def lost(c: Child, kind: str, message: str) -> None:
+            """The child died or hung: fail the unit in flight, restart, requeue the rest."""
+            entry = c.entry
+            unit = c.current or (c.remaining[0] if c.remaining else None)
+            if unit is not None:  # (a child may also die between its last unit and "done")
+                report(Outcome(entry, *unit, "fail", kind, message))
+            rest = [u for u in c.remaining if u != unit]
+            selector.unregister(c.proc.stdout)
+            c.stop()
+            c.start()
+            selector.register(c.proc.stdout, selectors.EVENT_READ, c)
+            c.entry = None
+            if rest:
+                queue.appendleft((entry, rest))
+
+        while True:
+            for c in children:
+                if c.entry is None and queue:
+                    c.assign(*queue.popleft())
+            busy = [c for c in children if c.entry is not None]
+            if not busy:
+                break
+            wait = max(0.0, min(c.deadline for c in busy) - time.monotonic())
+            for key, _ in selector.select(timeout=wait):
+                c = key.data
+                messages = c.lines()
+                if messages is None:
+                    rc = c.proc.wait()
+                    lost(c, "crash", f"the process died: {exit_reason(rc)}{last_log_line(c)}")
+                    continue
+                for m in messages:
+                    handle(c, m, sample_timeout, report)
+            now = time.monotonic()
+            for c in children:
+                if c.entry is not None and now > c.deadline:
+                    what = "started" if c.current is None else "answered"
+                    limit = START_TIMEOUT if c.current is None else sample_timeout
+                    lost(c, "timeout", f"hung: not {what} in {limit:.0f} s{last_log_line(c)}")
+        for c in children:
+            selector.unregister(c.proc.stdout)
+            c.stop(grace=30)
+    return outcomes
+
+
+def handle(c: Child, m: dict, sample_timeout: float, report) -> None:
+    """One message from a child."""
+    if "unit" in m or "sample" in m:
+        if "unit" in m:
+            c.current = tuple(m["unit"])
+        c.deadline = time.monotonic() + sample_timeout
+    elif "outcome" in m:
+        o = Outcome(**m["outcome"])
+        c.remaining.remove((o.dtype, o.mode))
+        c.current = None
+        report(o)
+    elif "done" in m:
+        c.entry = None
+
+
+def exit_reason(rc: int) -> str:
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit status {rc}"
+
+
+def last_log_line(c: Child) -> str:
+    try:
+        with open(c.log_path, "rb") as f:
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f" ({lines[-1][:200]})" if lines else ""
+
+
+# --- the child -----------------------------------------------------------------------------
+
+
+def serve() -> None:
+    """Child main loop: one entry per input line, results on the original stdout."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed (by torch, by a kernel) goes to the log
+    sys.stdout = sys.stderr
+
+    import torch
+    from opinfo_cases import load_entries, run_unit
+
+    torch.set_num_threads(1)
+    entries = load_entries()
+
+    def send(message: dict) -> None:
+        out.write(json.dumps(message) + "\n")
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = entries[request["entry"]]
+        for dtype, mode in request["units"]:
+            send({"unit": [dtype, mode]})
+            outcome = run_unit(op, dtype, mode, progress=lambda i: send({"sample": i}))
+            send({"outcome": dataclasses.asdict(outcome)})
+        send({"done": request["entry"]})
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        sys.exit("run report.py to sweep; this file is the sweep's child process (--serve)")
