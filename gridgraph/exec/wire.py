@@ -47,8 +47,8 @@ DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
         torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
-        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-        torch.bool,
+        torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64,
+        torch.uint32, torch.uint16, torch.uint8, torch.bool,
     )
 }  # fmt: skip
 _ENUMS = {

@@ -274,6 +274,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         return decomposed(*args, **kwargs)  # its ops come back here, one by one
     graph = owner.graph
     alias = aliasing(op)
+    if op in _SET_LAYOUT and type(t_args[0]) is Ref:
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        _check_inside_storage(graph, t_args[0].value, args[1], args[2], offset)
 
     try:
         floats = tuple(p for p in walk.params if type(p) is float)  # rarely shape-relevant
@@ -400,6 +403,39 @@ def decomposition(op: torch._ops.OpOverload) -> Any:
     if found is None:
         found = getattr(OPDEFS.get(op._schema.name), "_init_fn", None)
     return found
+
+
+# Views that set their layout at will: on meta tensors they never see the real storage.
+_SET_LAYOUT = (aten.as_strided.default, aten.as_strided_.default)
+
+
+def _check_inside_storage(graph: Graph, vid: int, size: Any, stride: Any, offset=None) -> None:
+    """Raise torch's error, at the call, for a layout reaching past the tensor's storage.
+
+    The storage's size is the largest extent of any value recorded on it (a sent or computed
+    tensor covers its storage), so a traced `as_strided` is refused as eagerly as torch
+    refuses it, even when nothing ever runs it (a gradient that needs only its shape)."""
+    value = graph.values[vid]
+    offset = value.meta.offset if offset is None else offset
+    size, stride = list(size), list(stride)
+    if 0 in size or len(size) != len(stride):
+        return
+    extent = max(_extent(v.meta) for v in graph.values.values() if v.storage == value.storage)
+    need = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
+    if need > extent:
+        itemsize = value.meta.dtype.itemsize
+        raise RuntimeError(
+            f"setStorage: sizes {size}, strides {stride}, storage offset {offset}, and itemsize "
+            f"{itemsize} requiring a storage size of {need * itemsize} are out of bounds for "
+            f"storage of size {extent * itemsize}"
+        )
+
+
+def _extent(meta: TensorMeta) -> int:
+    """Elements of storage a layout reaches: one past its last element."""
+    if 0 in meta.shape:
+        return meta.offset
+    return meta.offset + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) + 1
 
 
 def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:

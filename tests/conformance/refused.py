@@ -20,5 +20,4 @@ REFUSED: dict[str, str] = {
     "sparse.sampled_addmm": f"takes a sparse CSR tensor; {_SPARSE}",
     "sparse.mm.reduce": f"takes a sparse CSR tensor; {_SPARSE}",
     "chalf": f"returns complex32, {_DTYPE}",
-    "hash_tensor": f"returns uint64, {_DTYPE}",
 }

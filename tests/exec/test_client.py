@@ -212,11 +212,10 @@ def test_what_nobody_asked_for_is_not_computed(local_grid):
     "call, match",
     [
         (lambda p: p.chalf(), "dtype torch.complex32"),  # the wire carries no complex32
-        (lambda p: torch.ops.aten.hash_tensor(p), "dtype torch.uint64"),
         (lambda p: p.to_sparse(), "only dense"),
         (lambda p: p.set_(torch.ones(3)), "not on the workers' op allowlist"),  # off the allowlist
     ],
-    ids=["complex32", "uint64", "sparse", "refused_op"],
+    ids=["complex32", "sparse", "refused_op"],
 )
 def test_what_workers_cannot_do_is_refused_at_the_call(local_grid, call, match, traced):
     """Before: the worker ran it, then failed to encode its reply, and the client waited
@@ -230,6 +229,18 @@ def test_what_workers_cannot_do_is_refused_at_the_call(local_grid, call, match, 
     assert local_grid.stats()["messages"] == 0
     assert not local_grid.client.graph.pending
     assert torch.equal(p.get(), a)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_unsigned_results_travel(local_grid, traced):
+    """hash_tensor makes uint64: once refused at the call, now carried by the wire."""
+    a = torch.randn(4, 3)
+    p = gg.send(a, local_grid.workers[0])
+    with gg.trace() if traced else contextlib.nullcontext():
+        h = torch.hash_tensor(p, dim=1)
+        u = (p * 100).to(torch.int32).abs().to(torch.uint32)
+    assert torch.equal(h.get(), torch.hash_tensor(a, dim=1))
+    assert torch.equal(u.get(), (a * 100).to(torch.int32).abs().to(torch.uint32))
 
 
 @torch.library.custom_op("gridgraph_test::scaled_add", mutates_args=())
