@@ -14,7 +14,6 @@ makes them repeatable without touching anyone else's random state.
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from functools import cache
@@ -92,6 +91,9 @@ def resolve(name: str) -> torch._ops.OpOverload:
     return getattr(getattr(torch.ops.aten, base), overload)
 
 
+_RESIZE = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)
+
+
 @cache
 def _uninitialized(op: torch._ops.OpOverload) -> bool:
     return op._schema.name.removeprefix("aten::") in UNINITIALIZED
@@ -124,16 +126,12 @@ class RandomState:
         if op is torch.ops.aten.as_strided_.default:  # checked before it changes the tensor
             t, sizes, strides, *rest = args
             _check_layout(t, sizes, strides, rest[0] if rest else t.storage_offset())
-        if op is torch.ops.aten.resize_.default:  # within its storage: never new memory
-            t, sizes = args[0], args[1]
-            contiguous = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
-            try:
-                _check_layout(t, sizes, contiguous, t.storage_offset())
-            except ViewOutOfBounds:
-                raise ViewOutOfBounds(
-                    f"resize_ to {tuple(sizes)} would grow the tensor's storage: workers resize "
-                    "only within it (make a new tensor instead)"
-                ) from None
+        if op in _RESIZE:  # memory it grows into is zeroed, never what was there before
+            before = args[0].untyped_storage().nbytes()
+            result = op(*args, **kwargs)
+            storage = torch.empty(0, dtype=torch.uint8).set_(result.untyped_storage())
+            storage[before:].zero_()
+            return result
         if not _seeded(op):
             return op(*args, **kwargs)
         with _global_rng:

@@ -15,7 +15,9 @@ class ObjectStore:
 
     def __init__(self) -> None:
         self._objects: dict[int, torch.Tensor] = {}
-        self._storages: dict[int, list[int]] = {}  # storage address -> [nbytes, references]
+        # storage identity (its StorageImpl, which keeps its identity when resize_ moves its
+        # data) -> [nbytes, references]
+        self._storages: dict[int, list[int]] = {}
         self.stored_bytes = 0
 
     def put(self, vid: int, tensor: torch.Tensor) -> None:
@@ -23,9 +25,12 @@ class ObjectStore:
             raise TypeError(f"only tensors are stored, not {type(tensor).__name__}")
         self.free(vid)
         storage = tensor.untyped_storage()
-        entry = self._storages.setdefault(storage.data_ptr(), [storage.nbytes(), 0])
+        entry = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
         if entry[1] == 0:
             self.stored_bytes += entry[0]
+        elif entry[0] != storage.nbytes():  # resized in place since it was counted
+            self.stored_bytes += storage.nbytes() - entry[0]
+            entry[0] = storage.nbytes()
         entry[1] += 1
         self._objects[vid] = tensor
 
@@ -42,7 +47,7 @@ class ObjectStore:
         tensor = self._objects.pop(vid, None)
         if tensor is None:
             return
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = tensor.untyped_storage()._cdata
         entry = self._storages[ptr]
         entry[1] -= 1
         if entry[1] == 0:
@@ -55,7 +60,7 @@ class ObjectStore:
         for vid in set(vids):
             tensor = self._objects.get(vid)
             if tensor is not None:
-                ptr = tensor.untyped_storage().data_ptr()
+                ptr = tensor.untyped_storage()._cdata
                 dropped[ptr] = dropped.get(ptr, 0) + 1
         return sum(self._storages[p][0] for p, n in dropped.items() if n == self._storages[p][1])
 

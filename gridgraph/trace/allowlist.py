@@ -113,10 +113,11 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     ),
     # in place, a tensor's layout: its own dimensions reordered, dropped or added where of
     # size 1 (the plan transposes around transfers with these), set at will (as_strided_) or
-    # resized (resize_), both checked to stay inside the storage before they run
+    # resized (resize_, resize_as_): as_strided_ is checked to stay inside the storage
+    # before it runs, and memory a resize grows into is zeroed
     "layout in place": (
-        "as_strided_", "resize_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_", "transpose_",
-        "unsqueeze_"
+        "as_strided_", "resize_", "resize_as_", "squeeze_", "squeeze_.dim", "squeeze_.dims", "t_",
+        "transpose_", "unsqueeze_"
     ),
     # copies, concatenation, reordering, triangles
     "shape and copy": (
@@ -232,9 +233,6 @@ REFUSED: dict[str, tuple[str, ...]] = {
     ),
     "a ZeroTensor: a tensor with no storage that kernels must special-case": (
         "_efficientzerotensor",
-    ),
-    "changes a stored tensor's storage to another's size in place": (
-        "resize_as_",
     ),
     "out= forms: they resize the tensor they write": (
         "addmm.out", "amax.out", "div.out", "mm.out", "mul.out"

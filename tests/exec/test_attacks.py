@@ -89,13 +89,19 @@ def test_as_strided_in_place_past_its_storage_is_refused_before_it_changes_anyth
     arena.check()
 
 
-def test_resize_in_place_past_its_storage_is_refused_before_it_changes_anything(arena):
-    # Growing would allocate: memory another client freed, and bytes the store never counted.
-    arena.attacker_put(1, torch.arange(4.0))
-    steps = [call("aten::resize_", [Slot(0), [1 << 20]], [0], writes=[[0, 0]])]
-    reply = arena.refused(run(steps, [1]))
-    assert "would grow the tensor's storage" in reply["error"]["message"]
-    assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
+def test_memory_resize_grows_into_is_zeros_never_another_clients_data(arena):
+    w = {ref.name: ref for ref in arena.victim.workers}
+    for _ in range(3):  # the victim frees a tensor full of a marker, which resize_ might reuse
+        secret = torch.full((8192,), 12345.0).send(w[arena.target])
+        (secret * 1).compute()
+        del secret
+        gc.collect()
+        arena.victim.stats()  # releases ride along with the next message
+    arena.attacker_put(1, torch.ones(4))
+    grow = call("aten::resize_", [Slot(1), [8192]], [1])
+    steps = [call("aten::clone", [Slot(0)], [1]), grow, ["return", 1]]
+    got = arena.attack(run(steps, [1, 2]))["returns"][0][1]
+    assert torch.equal(got[:4], torch.ones(4)) and not got[4:].any()
     arena.check()
 
 
