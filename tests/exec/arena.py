@@ -125,20 +125,10 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
 
 
 @pytest.fixture(scope="module", name="attacker_node")
-def attacker_node_fixture(kubo_nodes, tmp_path_factory):
-    """A Kubo node of the attacker's own, connected to the grid's nodes."""
-    from gridgraph.exec.ipfs.kubo import Kubo
-    from gridgraph.exec.ipfs.swarm import start_nodes, stop_nodes
-
-    root = tmp_path_factory.mktemp("attacker")
-    [node] = start_nodes(1, root)
-    try:
-        kubo = Kubo(node.api)
-        for other in kubo_nodes:
-            kubo.swarm_connect(other.swarm)
-        yield node
-    finally:
-        stop_nodes(root)
+def attacker_node_fixture(outsider_node):
+    """A Kubo node of the attacker's own, connected to the grid's nodes (the swarm's
+    outsider node, which runs no worker and is in no trust list)."""
+    return outsider_node
 
 
 @pytest.fixture(name="arena", params=["local", pytest.param("ipfs", marks=pytest.mark.ipfs)])
