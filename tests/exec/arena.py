@@ -102,7 +102,7 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
 
     from gridgraph.exec.worker import worker_topic
 
-    attacker = request.getfixturevalue("attacker_node")
+    attacker = request.getfixturevalue("outsider_node")  # no worker, in no trust list
     nodes = request.getfixturevalue("kubo_nodes")
     workers = request.getfixturevalue("ipfs_workers")
     grid = request.getfixturevalue("ipfs_grid")
@@ -122,13 +122,6 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
     yield Arena("ipfs", grid, mallory, "w1", "w0", alive, lambda name: peer_on(nodes[0].api, name))
     for p in peers:
         p.close()
-
-
-@pytest.fixture(scope="module", name="attacker_node")
-def attacker_node_fixture(outsider_node):
-    """A Kubo node of the attacker's own, connected to the grid's nodes (the swarm's
-    outsider node, which runs no worker and is in no trust list)."""
-    return outsider_node
 
 
 @pytest.fixture(name="arena", params=["local", pytest.param("ipfs", marks=pytest.mark.ipfs)])

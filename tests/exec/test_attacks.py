@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 import torch
-from arena import arena_fixture, attacker_node_fixture  # noqa: F401 (fixtures)
+from arena import arena_fixture  # noqa: F401 (fixtures)
 from hostile import Peer, call, frame, run, tensor_ref
 
 from gridgraph.exec import wire
@@ -189,14 +189,14 @@ def test_a_message_over_the_size_limit_is_dropped(arena):
 
 
 @pytest.mark.ipfs
-def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, attacker_node, tmp_path):
+def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, outsider_node, tmp_path):
     # Each block is looked for for a minute; fetched on the reader thread, 20 of them stalled
     # every client for 20 minutes (and a stall past the lease freed their tensors). A worker
     # of its own, so that a stall harms no other test.
     from ipfs_fixtures import sealed_endpoint, start_workers, stop_all
 
     workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
-    attacker = sealed_endpoint(attacker_node.api)
+    attacker = sealed_endpoint(outsider_node.api)
     victim = Peer(sealed_endpoint(kubo_nodes[0].api), resend=1.0)  # a client, by hand
     try:
         attacker.wait_for_peers(worker_topic("stalled"), 1, timeout=30)

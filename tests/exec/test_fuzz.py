@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from arena import Arena, arena_fixture, attacker_node_fixture, local_arena  # noqa: F401
+from arena import Arena, arena_fixture, local_arena  # noqa: F401
 from hostile import call, run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
