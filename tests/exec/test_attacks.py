@@ -235,7 +235,7 @@ def test_a_program_that_would_run_for_hours_is_refused_or_stopped(arena):
 
 def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
     arena.attacker_put(1, torch.ones(1))
-    rid = arena.attacker.send(arena.target, run([["recv", 0, arena.other]], [2], run_id=7))
+    rid = arena.attacker.send(arena.target, run([["recv", [0], arena.other]], [2], run_id=7))
     for _ in range(3):
         arena.check()  # served while the attacker's recv waits
     arena.attacker.publish(
@@ -247,7 +247,7 @@ def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
 
 
 def test_a_recv_from_a_worker_that_does_not_exist_fails_at_once(arena):
-    reply = arena.attack(run([["recv", 0, "nobody"]], [2]), timeout=20)
+    reply = arena.attack(run([["recv", [0], "nobody"]], [2]), timeout=20)
     assert reply["ok"] is False
     arena.check()
 
@@ -260,8 +260,8 @@ def test_transfers_claiming_to_be_for_the_victim_never_reach_it(arena):
     for run_id in range(1, 9):
         for vid in range(1, 16):
             for src in (arena.attacker.transport.identity, "ghost", arena.other):
-                msg = {"kind": "transfer", "client": client, "run": run_id, "value": vid,
-                       "src": src, "tensor": poison}  # fmt: skip
+                msg = {"kind": "transfer", "client": client, "run": run_id, "values": [vid],
+                       "src": src, "tensors": [poison]}  # fmt: skip
                 arena.attacker.publish(arena.target, wire.encode(msg))
     for _ in range(3):
         arena.check()
@@ -365,7 +365,10 @@ MALFORMED = {
     ),
     "a slot beyond the program": run([call("aten::neg", [Slot(99)], [0])], [1]),
     "a negative slot": run([["return", -1]], [1]),
-    "send to a non-name": run([["send", 0, 5]], [1]),
+    "send to a non-name": run([["send", [0], 5]], [1]),
+    "send of a bare slot": run([["send", 0, "w1"]], [1]),
+    "send of no values": run([["send", [], "w1"]], [1]),
+    "recv of a slot twice": run([["recv", [0, 0], "w1"]], [1]),
     "recv without a source": run([["recv"]], [1]),
     "free of a non-slot": run([["free", "x"]], [1]),
     "a step that is not a list": run([42], [1]),

@@ -244,9 +244,9 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
         "kind": "transfer",
         "client": f"{ipfs_grid.client.transport.identity}/{session}",
         "run": 1,
-        "value": vid,
+        "values": [vid],
         "src": "w0",
-        "tensor": torch.zeros(32),
+        "tensors": [torch.zeros(32)],
     }
     raw_peer.publish("w1", wire.encode(transfer))  # claims to come from w0
     # Answered with an error.
@@ -266,7 +266,7 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
             "kind": "run",
             "run": 1,
             "plan": 1,
-            "program": [[["recv", 99, "w0"]]],
+            "program": [[["recv", [99], "w0"]]],
             "slots": [1],
             "params": [],
         },
