@@ -359,7 +359,7 @@ class _Search:
         n = len(ins)
         alpha, shared = self.alpha, tl.shared
         if roll is None:
-            k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
+            k, uw, st = 0, list(fixed), tl.start()
             load = [0.0] * len(tl.workers)
             wn = [uw[u] for u in of]  # -1 for the nodes of undecided units
         else:
@@ -374,7 +374,8 @@ class _Search:
             load[worker] += nbytes[unit]
             for i in range(k, n):
                 wn[i] = uw[of[i]]
-            fin, free, copies = tl.state(k)
+            st = tl.state(k)
+        fin, free, copies, joins = st.fin, st.free, st.copies, tl.joins
         for i in range(k, n):
             u = of[i]
             if uw[u] < 0:
@@ -392,8 +393,10 @@ class _Search:
                             c = copies.get(key + w)
                             if c is not None:
                                 r = c[0]
-                            else:
-                                x = lat[s][w] + nb * ibw[s][w]
+                            else:  # a message's latency, unless it joins an open one
+                                x = nb * ibw[s][w]
+                                if not joins(p, s, w, st):
+                                    x += lat[s][w]
                                 if shared:  # one machine: the copy's time adds up
                                     t += x
                                 else:
@@ -404,14 +407,23 @@ class _Search:
                         if r > t:
                             t = r
                     t += alpha * pen
-                    # Data this unit's later nodes read, or fixed units read from it.
+                    # Data this unit's later nodes read, or fixed units read from it: one
+                    # message per other worker (a bit per worker in `linked`).
+                    linked = 0
                     for p, s, nb in later[u]:
                         src = wn[p] if p >= 0 else s
                         if src >= 0 and src != w:
-                            t += lat[src][w] + nb * ibw[src][w]
+                            t += nb * ibw[src][w]
+                            if not linked >> src & 1:
+                                t += lat[src][w]
+                                linked |= 1 << src
+                    linked = 0
                     for dst, nb in pushed[u]:
                         if dst != w:
-                            t += lat[w][dst] + nb * ibw[w][dst]
+                            t += nb * ibw[w][dst]
+                            if not linked >> dst & 1:
+                                t += lat[w][dst]
+                                linked |= 1 << dst
                     score = (t + ct[i][w], -local)
                     if best is None or score < best[0]:
                         best = (score, w)
@@ -425,7 +437,7 @@ class _Search:
                 load[w] += nbytes[u]
                 for j in units.members[u]:
                     wn[j] = w
-            t = tl.advance(i, wn, fin, free, copies)
+            t = tl.advance(i, wn, st)
             if t > bound:
                 tl.steps += 4 * (i + 1 - k)  # scoring every worker: about four plain steps
                 return uw, t
