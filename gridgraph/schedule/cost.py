@@ -4,13 +4,15 @@ An op takes its estimated FLOPs over its worker's throughput. Values move betwee
 messages, as `plan.split` groups them: everything a worker sends another from one of its
 stages travels in one message (see plan.py), so a message costs the link's latency once and
 its bytes at the link's bandwidth. A value another worker needs is copied there once however
-many ops there read it. It joins the open message from its worker to that one (for the
-stage it was made in) if it was made before that message's first reader in recording order;
-else it opens a new message, which arrives `latency + nbytes / bandwidth` after the value is
-ready (at time 0 if it is already stored). A value joining a message arrives with the whole
-message: when its last value so far is ready, plus the latency, plus all its bytes over the
-bandwidth (the message's earlier readers are not delayed again: an approximation, exact when
-the workers share one machine, where only the sum of the times counts). Each worker runs its
+many ops there read it. It joins the latest message from its worker to that one for the
+stage it was made in if it was made before that message's first reader in recording order,
+or if its worker ran only views since that message's latest value (plan.py's rules (a)
+and (b)); else it opens a new message, which arrives
+`latency + nbytes / bandwidth` after the value is ready (at time 0 if it is already stored).
+A value joining a message arrives with the whole message: when its last value so far is
+ready, plus the latency, plus all its bytes over the bandwidth (the message's earlier readers
+are not delayed again: an approximation, exact when the workers share one machine, where only
+the sum of the times counts). Each worker runs its
 ops in recording order, as the programs of `plan.split` do, starting each as soon as the
 worker is free and its inputs are there. The estimated finish time of the whole graph is the
 objective `place` minimizes and `finish_time` reports.
@@ -29,6 +31,7 @@ from functools import cache
 
 import torch
 
+from gridgraph.schedule.plan import makes_views
 from gridgraph.trace.graph import Const, Node, Ref, Value
 
 
@@ -182,20 +185,34 @@ class SimState:
     fin        finish time of each node simulated so far
     stage_of   the stage of each node (a worker's stage grows where it receives a message
                from a worker whose stage is not behind its own, as in plan.split)
+    busy_of    messages each node's worker had received and ops other than views it had run
+               when it ran (itself included)
     free       when each worker is next free
     stage      each worker's current stage
+    busy       the same count for each worker
     copies     value copies made: value key * W + worker -> (arrival time, node that made it)
     msgs       the latest message of each (src's stage, src, dst), keyed
                stage * W * W + src * W + dst -> (first reader, send time, bytes, node that
-               made this record, the record it replaced): a chain, so that the state before
-               any node can be recovered
+               made this record, the record it replaced, the node that made its latest
+               value or -1): a chain, so that the state before any node can be recovered
     """
 
-    __slots__ = ("fin", "stage_of", "free", "stage", "copies", "msgs")
+    __slots__ = ("fin", "stage_of", "busy_of", "free", "stage", "busy", "copies", "msgs")
 
-    def __init__(self, fin, stage_of, free, stage, copies, msgs) -> None:
-        self.fin, self.stage_of, self.free, self.stage = fin, stage_of, free, stage
+    def __init__(self, fin, stage_of, busy_of, free, stage, busy, copies, msgs) -> None:
+        self.fin, self.stage_of, self.busy_of = fin, stage_of, busy_of
+        self.free, self.stage, self.busy = free, stage, busy
         self.copies, self.msgs = copies, msgs
+
+    def resumed(self, at: tuple[list, list, list], copies: dict, msgs: dict) -> SimState:
+        """A copy of this state's per-node lists, with the workers' state `at` (free times,
+        stages, busy counts) and the given copies and messages."""
+        free, stage, busy = at
+        return SimState(self.fin.copy(), self.stage_of.copy(), self.busy_of.copy(), list(free),
+                        list(stage), list(busy), copies, msgs)  # fmt: skip
+
+    def workers(self) -> tuple[list, list, list]:
+        return self.free.copy(), self.stage.copy(), self.busy.copy()
 
 
 class Timeline:
@@ -217,6 +234,7 @@ class Timeline:
         cost = cost or CostModel()
         self.nodes = nodes
         self.flops = [estimate_flops(n, values) for n in nodes]
+        self.work = [0 if makes_views(n, values) else 1 for n in nodes]  # see SimState.busy
         producer = {v: i for i, n in enumerate(nodes) for v in n.outputs}
         # Per node, its distinct inputs as (producer index or -1, stored worker, value, bytes).
         self.key_of: dict[int, int] = {}
@@ -264,8 +282,8 @@ class Timeline:
 
     def start(self) -> SimState:
         """The state before the first node."""
-        W = len(self.workers)
-        return SimState([0.0] * len(self.ins), [0] * len(self.ins), [0.0] * W, [0] * W, {}, {})
+        n, W = len(self.ins), len(self.workers)
+        return SimState([0.0] * n, [0] * n, [0] * n, [0.0] * W, [0] * W, [0] * W, {}, {})
 
     def run(self, wn: list[int], keep: bool = False) -> float:
         """Estimated finish time of the graph placed by `wn`."""
@@ -282,9 +300,7 @@ class Timeline:
         _, kept, at, _ = self._kept
         if k >= len(self.ins):
             return max(at[-1][0]) if at else 0.0
-        free, stage = at[k]
-        st = SimState(kept.fin.copy(), kept.stage_of.copy(), list(free), list(stage), {}, {})
-        return self._simulate(wn, k, st, kept, None, bound)
+        return self._simulate(wn, k, kept.resumed(at[k], {}, {}), kept, None, bound)
 
     def kept(self) -> tuple[list[float], dict[int, tuple[float, int]]]:
         """(finish time of each node, copies made: key -> (arrival, node)) of the kept run."""
@@ -309,24 +325,22 @@ class Timeline:
                 m = m[4]
             if m is not None:
                 msgs[key] = m
-        free, stage = at[k]
-        return SimState(kept.fin.copy(), kept.stage_of.copy(), list(free), list(stage), copies,
-                        msgs)  # fmt: skip
+        return kept.resumed(at[k], copies, msgs)
 
     def _simulate(self, wn, k, st, old, at, bound=math.inf) -> float:
         # `old` holds copies and messages made by an earlier run (with the node that made
         # them); those made before k are still valid. New ones go to `st` (the same state on
-        # a full run). `at`, if a list, gets each worker's free time and stage before each node.
+        # a full run). `at`, if a list, gets the workers' state before each node.
         for i in range(k, len(self.ins)):
             if at is not None:
-                at.append((st.free.copy(), st.stage.copy()))
+                at.append(st.workers())
             t = self.advance(i, wn, st, old, k)
             if t > bound:
                 self.steps += i + 1 - k
                 return t
         self.steps += len(self.ins) - k
         if at is not None:
-            at.append((st.free.copy(), st.stage.copy()))
+            at.append(st.workers())
         return max(st.free) if st.free else 0.0
 
     def advance(self, i: int, wn: list[int], st: SimState, old: SimState | None = None,
@@ -340,7 +354,7 @@ class Timeline:
         old = old or st
         w = wn[i]
         t = free[w]
-        stage = st.stage[w]
+        stage, busy, busy_of = st.stage[w], st.busy[w] + self.work[i], st.busy_of
         for p, s, key, nbytes in self.ins[i]:
             if p >= 0:
                 s = wn[p]
@@ -362,16 +376,21 @@ class Timeline:
                     m = old.msgs.get(mk)
                     while m is not None and m[3] >= k:
                         m = m[4]
-                if m is not None and p < m[0]:  # made before the message's first reader
+                if m is not None and (
+                    p < m[0]  # made before the message's first reader: (a)
+                    or p <= m[5]
+                    or busy_of[p] == (busy_of[m[5]] if m[5] >= 0 else 0)  # views since: (b)
+                ):
                     send, size = max(m[1], r), m[2] + nbytes
-                    m = (m[0], send, size, i, m)
+                    m = (m[0], send, size, i, m, max(m[5], p))
                     if self.shared:  # one machine: the bytes take their time now
                         t += nbytes * ibw[s][w]
                         c = (t, i)
                     else:
                         c = (send + lat[s][w] + size * ibw[s][w], i)
                 else:
-                    m = (i, r, nbytes, i, m)
+                    m = (i, r, nbytes, i, m, p)
+                    busy += 1
                     if s_src >= stage:
                         stage = s_src + 1
                     if self.shared:  # one machine: the message takes its time now
@@ -387,6 +406,7 @@ class Timeline:
         t += self.ct[i][w]
         fin[i] = t
         st.stage_of[i] = st.stage[w] = stage
+        busy_of[i] = st.busy[w] = busy
         if self.shared:
             free[:] = [t] * len(free)
         else:
@@ -398,7 +418,10 @@ class Timeline:
         a message already open to worker w."""
         s_src = st.stage_of[p] if p >= 0 else 0
         m = st.msgs.get((s_src * self.W + s) * self.W + w)
-        return m is not None and p < m[0]
+        if m is None:
+            return False
+        busy_of = st.busy_of
+        return p < m[0] or p <= m[5] or busy_of[p] == (busy_of[m[5]] if m[5] >= 0 else 0)
 
     def bytes_moved(self, wn: list[int]) -> int:
         """Bytes sent between workers: each value once per worker that reads it elsewhere."""

@@ -14,20 +14,27 @@ them with one `recv` step, placed at the first of its ops that reads one of them
 
 When a group is sent. A value is current at the last step of its sender that made it so:
 the call that produced it, or the last write to its storage recorded before its reader
-(writes run where their storage lives, so they are all on the sender). A value joins the
-sender's open group to that receiver only if it is current before the group's first reader
-R in recording order, and in the same stage of the sender; else it opens a new group. The
-group's `send` goes right after the latest step that made one of its values current. So:
-  - every value is captured with the contents its reader must see: no write to its storage
-    comes between the step that made it current and its reader, and the send comes before
-    R, hence before any write recorded after the reader;
-  - nothing is sent later than the step before R in recording order, and within one stage
-    of the sender, which runs without waiting, so grouping delays a value by the sender's
-    own ops only.
-No deadlock: every worker runs its steps in the one global order; a `send` never waits,
-and a `recv` placed at R waits only for a `send` placed after a step recorded before R. So
-the step that comes first in the global order among those not yet done can always run, by
-induction on that order, whatever the grouping.
+(writes run where their storage lives, so they are all on the sender). The group's `send`
+goes right after the latest step that made one of its values current. A value made current
+in the sender's stage S joins the sender's latest group to that receiver for stage S if
+  (a) it is current before the group's first reader R in recording order, or
+  (b) the sender runs only views (calls that make tensors sharing an input's storage and
+      write nothing) between the group's send and the step that makes the value current:
+      a view recorded later, of a weight sent earlier, costs no extra message;
+else it opens a new group. So:
+  - every value is captured with the contents its reader must see. No write to its storage
+    comes between the step that made it current and its reader. In case (a) the send comes
+    before R, hence before any write recorded after any reader of the group; in case (b)
+    nothing but views runs between a value's capture and the send;
+  - within one stage of the sender, grouping delays a value by the sender's own ops only,
+    and in case (b) by none.
+No deadlock: every worker runs its steps in the one global order, and a `send` never waits.
+Take a `recv` at global position g: every `recv` its sender meets before the awaited `send`
+is at a position before g (in case (a) the send itself comes before g; case (b) adds no
+`recv` between). So if a worker were blocked forever at a `recv`, its sender would be blocked
+at an earlier one, and so on down a strictly decreasing chain of positions: impossible, as
+the first step of the global order waits for nothing. A value in case (b) reaches its
+receiver before that receiver's op that reads it, as a recv precedes every reader.
 
 A transfer carries values in row-major order: a value laid out otherwise (a transposed
 view) is transposed in place to row-major order around its send and back after its recv,
@@ -44,7 +51,9 @@ values, see `cache.py`.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +198,15 @@ class _Builder:
         return a
 
 
+def makes_views(node: Node, values: Mapping[int, Value]) -> bool:
+    """Whether a node only makes views: it writes nothing, and each of its outputs shares
+    the storage of one of its inputs (no compute, no new memory)."""
+    if node.writes or not node.outputs:
+        return False
+    read = {values[v].storage for v in node.inputs() if v in values}
+    return all(v in values and values[v].storage in read for v in node.outputs)
+
+
 def run_params(nodes: list[Node]) -> list[Any]:
     """The values of a run's parameters: what the `Param(k)` of its plan stand for."""
     return [p for node in nodes for p in node.params]
@@ -238,6 +256,12 @@ def split(
         value = values.get(vid)
         return value.storage if value is not None else None
 
+    busy_at: dict[str, list[int]] = defaultdict(list)  # worker -> its recvs and non-views
+
+    def busy(w: str, at: int) -> int:
+        """How many recvs and calls other than views worker w runs up to its step `at`."""
+        return bisect_right(busy_at[w], at)
+
     dynamic_slots: dict[int, int] = {}
     for node in nodes:
         w = placement[node.id]
@@ -253,7 +277,9 @@ def split(
             at = max(ready.get(vid, -1), last_write.get(storage(vid), -1))
             s_src = steps[src][at][0] if at >= 0 else 0
             group = open_group.get((src, w, s_src))
-            if group is None or at >= group.before:  # current only after the group's reader
+            if group is not None and at >= group.before and busy(src, at) != busy(src, group.at):
+                group = None  # current after the group's first reader, and not by views only
+            if group is None:
                 group = _Group(src, w, s_src, len(steps[src]))
                 open_group[(src, w, s_src)] = group
                 groups.append(group)
@@ -264,7 +290,9 @@ def split(
             transfers.append(TransferEdge(vid, src, w, _nbytes(values, vid)))
             present[w].add(vid)
         stage[w] = s
-        steps[w].extend((s, r) for r in recvs)
+        for r in recvs:
+            busy_at[w].append(len(steps[w]))
+            steps[w].append((s, r))
         outs = [b.slot(v) for v in node.outputs]
         writes = [(path, b.slot(vid)) for path, vid in node.written_args]
         args = b.template(list(node.args))
@@ -273,6 +301,8 @@ def split(
         if report:
             dynamic_slots[node.id] = outs[0]
         at = len(steps[w])
+        if not makes_views(node, values):
+            busy_at[w].append(at)
         steps[w].append((s, ("call", node.name, args, kwargs, outs, writes, report)))
         for v in node.outputs:
             home[v] = w
