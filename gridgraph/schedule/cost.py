@@ -413,6 +413,17 @@ class Timeline:
             free[w] = t
         return t
 
+    def messages(self, wn: list[int]) -> int:
+        """Messages the graph placed by `wn` sends between workers (`plan.split`'s sends)."""
+        st = self.start()
+        self._simulate(wn, 0, st, st, None)
+        opened = 0
+        for m in st.msgs.values():
+            while m is not None:  # a record with a new first reader opened a message
+                opened += m[4] is None or m[4][0] != m[0]
+                m = m[4]
+        return opened
+
     def joins(self, p: int, s: int, w: int, st: SimState) -> bool:
         """Whether a copy of a value made by node p (or stored: p < 0) on worker s would join
         a message already open to worker w."""
