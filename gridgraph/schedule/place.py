@@ -15,9 +15,12 @@ meaning.
 2. List scheduling in recording order (the order workers run their programs in): each free
    unit goes, at its first node, to the worker where that node finishes earliest, counting
    the transfers it waits for, plus the transfers its later nodes will need from data whose
-   place is already known. A sequential chain therefore stays with its data, and a branch
-   moves to an idle worker only when the time it gains there beats the transfer. Three
-   variants weigh the transfers a choice starts more or less (to keep data together).
+   place is already known (a transfer that joins a message already open, see plan.py, at
+   its bytes only). A sequential chain therefore stays with its data, and a branch moves to
+   an idle worker only when the time it gains there beats the transfer. Three variants
+   weigh the transfers a choice starts more or less (to keep data together), each once as
+   said and once charging every transfer a message's latency as well (which keeps apart
+   what coalescing would draw together: each finds better placements on some graphs).
 3. Those, the naive placement and "every free unit on one worker" are starting points. Each is
    refined, the best first, by moves that take one unit to another worker, alone or followed
    by a roll-out of the list scheduling for every unit decided after it (which moves a whole
