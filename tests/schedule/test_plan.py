@@ -172,3 +172,18 @@ def test_the_demo_mlp_step_sends_fewer_messages_than_transfers_and_trains_as_tor
         local_opt.step()
     for p, q in zip(model.parameters(), local.parameters()):
         torch.testing.assert_close(p.get(), q.detach())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fewest_bytes_program_finds_what_brute_force_finds(seed):
+    """exact.fewest_bytes (the ILP bench_transfers.py measures against) on graphs small
+    enough to try every placement; skipped where scipy (the `bench` extra) is missing."""
+    pytest.importorskip("scipy")
+    from gridgraph.schedule.cost import bytes_moved
+    from gridgraph.schedule.exact import exact_placement, fewest_bytes
+
+    b = random_dag(10, 100 + seed, d=[64, 256, 512][seed])
+    brute, _ = exact_placement(b.nodes, b.values, WORKERS, objective="bytes")
+    placement, least = fewest_bytes(b.nodes, b.values, WORKERS)
+    assert least == bytes_moved(b.nodes, b.values, placement)
+    assert least == bytes_moved(b.nodes, b.values, brute)
