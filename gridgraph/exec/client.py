@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -302,7 +302,7 @@ class Client:
         for vid, value in values.items():
             if value.storage in by_storage and value.location is not None:
                 by_storage[value.storage].append(vid)
-        steps: dict[str, list[tuple]] = {}
+        group: dict[tuple[str, str], list[int]] = defaultdict(list)  # (src, dst) -> slots
         slots: list[int] = []
         for storage, dst in moves.items():
             vid, *others = by_storage[storage]
@@ -313,10 +313,12 @@ class Client:
                     f"then be one tensor on one worker, and %{vid} {tuple(meta.shape)} on {src!r}"
                     " shares its storage with other tensors; move it first (pointer.move(w))"
                 )
-            slot = len(slots)
             slots.append(vid)
-            steps.setdefault(src, []).extend([("send", slot, dst), ("free", slot)])
-            steps.setdefault(dst, []).append(("recv", slot, src))
+            group[(src, dst)].append(len(slots) - 1)
+        steps: dict[str, list[tuple]] = defaultdict(list)
+        for (src, dst), moved in group.items():  # one message from each worker to each other
+            steps[src].extend([("send", moved, dst), *(("free", slot) for slot in moved)])
+            steps[dst].append(("recv", moved, src))
         plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
         plan.id = self.plans.new_id()  # run once, never cached
         self._run_plan(plan, slots, [])

@@ -31,7 +31,8 @@ small):
     ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
                                                                    holds for the session)
     while serving, the executor may send
-    ["transfer", dst, run, value] + data        the network process publishes it
+    ["transfer", dst, run, value] + data        the network process publishes it (value: the
+                                                first value id the transfer carries)
     ["recv", run, value, src, seconds]          answered ["recv-ok"] + data, or
                                                 ["recv-error", "upstream" | "timeout", text]
     ["exit"]
@@ -56,7 +57,7 @@ import msgpack
 
 from gridgraph.exec import wire
 from gridgraph.exec.limits import GiB, Limits
-from gridgraph.exec.session import Session, UpstreamFailed, answer
+from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
 if TYPE_CHECKING:
     from gridgraph.exec.worker import Worker
@@ -232,7 +233,7 @@ class _ExecutorHost:
         self.conn, self.name, self.limits, self.recv_timeout = conn, name, limits, recv_timeout
 
     def transfer(self, session: Session, dst: str, msg: dict) -> None:
-        _send(self.conn, ["transfer", dst, msg["run"], msg["value"]], wire.encode(msg))
+        _send(self.conn, ["transfer", dst, *transfer_key(msg)], wire.encode(msg))
 
     def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
         run, value, src = key

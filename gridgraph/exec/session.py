@@ -12,7 +12,7 @@ reset any of it:
     rng        its random stream (`worker.manual_seed` seeds only this)
     traffic    messages and bytes the worker sent for it; `ops_run`
     sent       transfers it sent to other workers, kept for resending (ipfs)
-    inbox      transfers other workers sent it, by (run, value id, sending worker)
+    inbox      transfers other workers sent it, by (run, first value id, sending worker)
     queue      its requests waiting to run, in arrival order
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
@@ -62,11 +62,11 @@ class Host(Protocol):
     recv_timeout: float
 
     def transfer(self, session: Session, dst: str, msg: dict) -> None:
-        """Send a transfer message to worker `dst`."""
+        """Send a transfer message to worker `dst` (its key: see `transfer_key`)."""
 
     def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
-        """The transfer message `key` = (run, value id, sending worker), waiting until
-        `deadline`; raises UpstreamFailed, TimeoutError or TimeLimitExceeded."""
+        """The transfer message `key` = (run, its first value id, sending worker), waiting
+        until `deadline`; raises UpstreamFailed, TimeoutError or TimeLimitExceeded."""
 
 
 log = logging.getLogger("gridgraph.worker")
@@ -77,6 +77,16 @@ RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYT
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
 # ipfs: PubSub drops messages: a recv waiting this long asks the sender to resend.
 RESEND_AFTER = 0.5
+
+
+# A transfer message carries the values one `send` step names: {"kind": "transfer", "client",
+# "run", "src", "values": [value id, ...], "tensors": [tensor, ...]}, or "error" in place of
+# the tensors when the sender failed. Its key, at both ends, is (run, first value id, src).
+
+
+def transfer_key(msg: dict) -> tuple[int, int]:
+    """(run, first value id) of a transfer message this worker made."""
+    return msg["run"], msg["values"][0]
 
 
 class RequestError(Exception):
@@ -466,7 +476,8 @@ def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tu
                 t = _at_path(resolved, kw, path)
                 bind(slot, t if isinstance(t, torch.Tensor) else None)
         elif kind == "recv":
-            bind(step[1], None)  # counted when it arrives, against the inbox
+            for slot in step[1]:
+                bind(slot, None)  # counted when it arrives, against the inbox
         elif kind == "free":
             bind(step[1], None)
         elif kind == "return" and step[1] in metas:  # the reply holds a copy
@@ -616,44 +627,59 @@ class Run:
         limits.check_memory(self.s.memory() + sum(made.values()), name)
         limits.check_work(work, name)
 
-    def send(self, slot: int, dst: str) -> None:
+    def send(self, slots: list[int], dst: str) -> None:
+        """Send the values in `slots` to worker `dst`, all in one transfer message."""
         msg = {
             "kind": "transfer",
             "client": self.s.key,
             "run": self.run,
-            "value": self.slots[slot],
             "src": self.w.name,
-            "tensor": self.value(slot),
+            "values": [self.slots[slot] for slot in slots],
+            "tensors": [self.value(slot) for slot in slots],
         }
         self.w.transfer(self.s, dst, msg)
 
-    def recv(self, slot: int, src: str) -> None:
-        vid = self.slots[slot]
+    def recv(self, slots: list[int], src: str) -> None:
+        """Receive the values in `slots` from worker `src`, sent in one transfer message.
+
+        The message must carry exactly these value ids, in this order, and a tensor for each:
+        otherwise none of them is stored and the run fails."""
+        vids = [self.slots[slot] for slot in slots]
         deadline = min(time.monotonic() + self.w.recv_timeout, self.deadline)
         try:
-            got = self.w.receive(self.s, (self.run, vid, src), deadline)
+            got = self.w.receive(self.s, (self.run, vids[0], src), deadline)
         except TimeoutError:
             if time.monotonic() >= self.deadline:
                 raise TimeLimitExceeded(self.w.limits.max_request_seconds) from None
             raise
+        shown = ", ".join(f"%{v}" for v in vids)
         if got.get("error") is not None:
-            raise UpstreamFailed(f"%{vid} from {src}: {got.get('error')}")
-        tensor = got.get("tensor")
-        if not isinstance(tensor, torch.Tensor):
-            raise wire.WireError(f"transfer of %{vid} from {src} carried no tensor")
-        self.store(slot, tensor)
+            raise UpstreamFailed(f"{shown} from {src}: {got.get('error')}")
+        values, tensors = got.get("values"), got.get("tensors")
+        if not (
+            isinstance(values, list) and all(type(v) is int for v in values) and values == vids
+        ):
+            raise wire.WireError(f"transfer from {src} carried other values than {shown}")
+        if not (
+            isinstance(tensors, list)
+            and len(tensors) == len(vids)
+            and all(isinstance(t, torch.Tensor) for t in tensors)
+        ):
+            raise wire.WireError(f"transfer of {shown} from {src} lacks a tensor for each value")
+        for slot, tensor in zip(slots, tensors):
+            self.store(slot, tensor)
 
     def fail(self, steps: list, index: int, error: Exception) -> dict:
         """Report the failure, tell waiting workers, and undo what this run stored."""
         step = steps[index]
         for later in steps[index:]:
-            if later[0] == "send":
+            if later[0] == "send":  # every value of the group waits for this one message
                 msg = {
                     "kind": "transfer",
                     "client": self.s.key,
                     "run": self.run,
-                    "value": self.slots[later[1]],
                     "src": self.w.name,
+                    "values": [self.slots[slot] for slot in later[1]],
                     "error": f"failed on {self.w.name}",
                 }
                 self.w.transfer(self.s, later[2], msg)
@@ -697,7 +723,9 @@ def _at_path(args: list, kwargs: dict, path: Any) -> Any:
 def _reads(step: list) -> list[int]:
     if step[0] == "call":
         return [r.index for r in call_refs(step) if type(r) is Slot]
-    if step[0] in ("send", "return", "free"):
+    if step[0] == "send":
+        return list(step[1])
+    if step[0] in ("return", "free"):
         return [step[1]]
     return []
 
@@ -706,7 +734,7 @@ def _defines(step: list) -> list[int]:
     if step[0] == "call":
         return [*step[4], *(slot for _, slot in step[5])]
     if step[0] == "recv":
-        return [step[1]]
+        return list(step[1])
     return []
 
 
@@ -746,10 +774,18 @@ def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
         if step[4] and len(step[4]) < len(step[5]):
             raise RequestError("a call writes more slots than it has outputs")
     elif kind in ("send", "recv"):
-        if len(step) != 3 or type(step[1]) is not int or not isinstance(step[2], str):
-            raise RequestError(f"a {kind} step is [{kind}, slot, worker]")
-        if not 0 <= step[1] < n_slots:
-            raise RequestError(f"{kind} of slot {step[1]} beyond the program's values")
+        if (
+            len(step) != 3
+            or not isinstance(step[1], list)
+            or not step[1]
+            or not all(type(s) is int for s in step[1])
+            or not isinstance(step[2], str)
+        ):
+            raise RequestError(f"a {kind} step is [{kind}, [slot, ...], worker]")
+        if not all(0 <= s < n_slots for s in step[1]):
+            raise RequestError(f"{kind} of a slot beyond the program's values")
+        if len(set(step[1])) != len(step[1]):
+            raise RequestError(f"a {kind} step names a slot twice")
     elif kind in ("free", "return"):
         if len(step) != 2 or type(step[1]) is not int or not 0 <= step[1] < n_slots:
             raise RequestError(f"a {kind} step is [{kind}, slot]")

@@ -52,6 +52,7 @@ from gridgraph.exec.session import (
     answer,
     encode_reply,
     error_body,
+    transfer_key,
 )
 from gridgraph.exec.transport import Transport
 
@@ -212,8 +213,11 @@ class Worker:
             return session
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
+        values = msg.get("values")
         try:
-            key = (int(msg["run"]), int(msg["value"]), str(msg["src"]))
+            if not isinstance(values, list) or not values:
+                raise TypeError("no value ids")
+            key = (int(msg["run"]), int(values[0]), str(msg["src"]))
             client = str(msg["client"])
         except (KeyError, TypeError, ValueError):
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
@@ -226,8 +230,9 @@ class Worker:
             session = self._transfer_session(client)
             if session is None:
                 return
-        if msg.get("error") is None and not isinstance(msg.get("tensor"), torch.Tensor):
-            msg = {"error": "a transfer must carry a tensor or an error"}
+        if msg.get("error") is None and not _one_tensor_per_value(values, msg.get("tensors")):
+            msg = {"error": "a transfer must carry one tensor per value id, each id once, or "
+                   "an error"}  # fmt: skip
             payload = b""
         cap = self.limits.max_client_memory
         if cap is not None and session.memory() + len(payload) > cap:
@@ -374,7 +379,7 @@ class Worker:
 
     def transfer(self, session: Session, dst: str, msg: dict) -> None:
         """Send a transfer message to worker `dst` (see session.Host)."""
-        self.publish_transfer(session, dst, (msg["run"], msg["value"]), wire.encode(msg))
+        self.publish_transfer(session, dst, transfer_key(msg), wire.encode(msg))
 
     def publish_transfer(
         self, session: Session, dst: str, run_value: tuple[int, int], payload: bytes
@@ -429,6 +434,17 @@ class Worker:
         for session in sessions:
             session.close()
         self._sender.join(timeout=5)
+
+
+def _one_tensor_per_value(values: list, tensors: object) -> bool:
+    """Whether a transfer's tensors match its value ids: one each, no id twice."""
+    return (
+        isinstance(tensors, list)
+        and len(tensors) == len(values)
+        and all(isinstance(t, torch.Tensor) for t in tensors)
+        and all(type(v) is int for v in values)
+        and len(set(values)) == len(values)
+    )
 
 
 def _client_key(sender: str, msg: dict) -> str:

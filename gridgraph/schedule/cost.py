@@ -1,12 +1,21 @@
 """The cost model placement optimizes: how long a placed graph takes to run.
 
-An op takes its estimated FLOPs over its worker's throughput. A value another worker needs
-arrives `latency + nbytes / bandwidth` after its producer finishes (or at time 0 plus that if
-it is already stored), once per destination worker however many ops there read it:
-`plan.split` sends a value right after the step that made it current. Each worker runs its ops
-in recording order, as the programs of `plan.split` do, starting each as
-soon as the worker is free and its inputs are there. The estimated finish time of the whole
-graph is the objective `place` minimizes and `finish_time` reports.
+An op takes its estimated FLOPs over its worker's throughput. Values move between workers in
+messages, as `plan.split` groups them: everything a worker sends another from one of its
+stages travels in one message (see plan.py), so a message costs the link's latency once and
+its bytes at the link's bandwidth. A value another worker needs is copied there once however
+many ops there read it. It joins the latest message from its worker to that one for the
+stage it was made in if it was made before that message's first reader in recording order,
+or if its worker ran only views since that message's latest value (plan.py's rules (a)
+and (b)); else it opens a new message, which arrives
+`latency + nbytes / bandwidth` after the value is ready (at time 0 if it is already stored).
+A value joining a message arrives with the whole message: when its last value so far is
+ready, plus the latency, plus all its bytes over the bandwidth (the message's earlier readers
+are not delayed again: an approximation, exact when the workers share one machine, where only
+the sum of the times counts). Each worker runs its
+ops in recording order, as the programs of `plan.split` do, starting each as soon as the
+worker is free and its inputs are there. The estimated finish time of the whole graph is the
+objective `place` minimizes and `finish_time` reports.
 
 `Timeline` is that simulation compiled once into flat arrays, so the placement search can
 evaluate thousands of candidate placements of the same graph, and re-run only the suffix after
@@ -22,6 +31,7 @@ from functools import cache
 
 import torch
 
+from gridgraph.schedule.plan import makes_views
 from gridgraph.trace.graph import Const, Node, Ref, Value
 
 
@@ -169,7 +179,40 @@ def _flag(args: tuple, index: int) -> bool:
 # --- the simulation -----------------------------------------------------------------------
 
 
-_NO_COPIES: dict = {}  # `advance` without copies from an earlier run
+class SimState:
+    """The simulation after a prefix of the nodes (mutable; `Timeline.advance` moves it on).
+
+    fin        finish time of each node simulated so far
+    stage_of   the stage of each node (a worker's stage grows where it receives a message
+               from a worker whose stage is not behind its own, as in plan.split)
+    busy_of    messages each node's worker had received and ops other than views it had run
+               when it ran (itself included)
+    free       when each worker is next free
+    stage      each worker's current stage
+    busy       the same count for each worker
+    copies     value copies made: value key * W + worker -> (arrival time, node that made it)
+    msgs       the latest message of each (src's stage, src, dst), keyed
+               stage * W * W + src * W + dst -> (first reader, send time, bytes, node that
+               made this record, the record it replaced, the node that made its latest
+               value or -1): a chain, so that the state before any node can be recovered
+    """
+
+    __slots__ = ("fin", "stage_of", "busy_of", "free", "stage", "busy", "copies", "msgs")
+
+    def __init__(self, fin, stage_of, busy_of, free, stage, busy, copies, msgs) -> None:
+        self.fin, self.stage_of, self.busy_of = fin, stage_of, busy_of
+        self.free, self.stage, self.busy = free, stage, busy
+        self.copies, self.msgs = copies, msgs
+
+    def resumed(self, at: tuple[list, list, list], copies: dict, msgs: dict) -> SimState:
+        """A copy of this state's per-node lists, with the workers' state `at` (free times,
+        stages, busy counts) and the given copies and messages."""
+        free, stage, busy = at
+        return SimState(self.fin.copy(), self.stage_of.copy(), self.busy_of.copy(), list(free),
+                        list(stage), list(busy), copies, msgs)  # fmt: skip
+
+    def workers(self) -> tuple[list, list, list]:
+        return self.free.copy(), self.stage.copy(), self.busy.copy()
 
 
 class Timeline:
@@ -191,6 +234,7 @@ class Timeline:
         cost = cost or CostModel()
         self.nodes = nodes
         self.flops = [estimate_flops(n, values) for n in nodes]
+        self.work = [0 if makes_views(n, values) else 1 for n in nodes]  # see SimState.busy
         producer = {v: i for i, n in enumerate(nodes) for v in n.outputs}
         # Per node, its distinct inputs as (producer index or -1, stored worker, value, bytes).
         self.key_of: dict[int, int] = {}
@@ -220,7 +264,7 @@ class Timeline:
         extra = {**stored_on, **{n.meta["pin"]: None for n in nodes if "pin" in n.meta}}
         self.workers += [w for w in extra if w not in self.workers]
         self.index = {w: i for i, w in enumerate(self.workers)}
-        W = len(self.workers)
+        W = self.W = len(self.workers)
         self.speed = [cost.speed(w) for w in self.workers]
         links = [[cost.link(s, d) for d in self.workers] for s in self.workers]
         self.lat = [[lat for _, lat in row] for row in links]
@@ -236,37 +280,38 @@ class Timeline:
         self._kept: tuple | None = None
         self.steps = 0  # nodes simulated so far: what searches budget their work in
 
+    def start(self) -> SimState:
+        """The state before the first node."""
+        n, W = len(self.ins), len(self.workers)
+        return SimState([0.0] * n, [0] * n, [0] * n, [0.0] * W, [0] * W, [0] * W, {}, {})
+
     def run(self, wn: list[int], keep: bool = False) -> float:
         """Estimated finish time of the graph placed by `wn`."""
-        fin = [0.0] * len(self.ins)
-        free = [0.0] * len(self.workers)
-        copies: dict[int, tuple[float, int]] = {}
-        free_at = [] if keep else None
-        t = self._simulate(wn, 0, fin, free, copies, copies, free_at)
+        st = self.start()
+        at = [] if keep else None
+        t = self._simulate(wn, 0, st, st, at)
         if keep:
-            self._kept = (list(wn), fin, free_at, copies, t)
+            self._kept = (list(wn), st, at, t)
         return t
 
     def rerun(self, wn: list[int], k: int, bound: float = math.inf) -> float:
         """`run(wn)`, reusing the kept run for nodes before k. Stops early with a time over
         `bound` once some node finishes after it: the whole graph cannot finish sooner."""
-        _, fin0, free_at, copies0, _ = self._kept
+        _, kept, at, _ = self._kept
         if k >= len(self.ins):
-            return max(free_at[-1]) if free_at else 0.0
-        fin = fin0.copy()
-        return self._simulate(wn, k, fin, list(free_at[k]), copies0, {}, None, bound)
+            return max(at[-1][0]) if at else 0.0
+        return self._simulate(wn, k, kept.resumed(at[k], {}, {}), kept, None, bound)
 
     def kept(self) -> tuple[list[float], dict[int, tuple[float, int]]]:
         """(finish time of each node, copies made: key -> (arrival, node)) of the kept run."""
-        _, fin, _, copies, _ = self._kept
-        return fin, copies
+        _, st, _, _ = self._kept
+        return st.fin, st.copies
 
-    def state(self, k: int) -> tuple[list[float], list[float], dict[int, tuple[float, int]]]:
-        """(finish times, worker free times, copies) of the kept run just before node k;
-        the lists and dict are fresh, to continue the simulation from k with another
-        placement of the nodes from k on."""
-        _, fin, free_at, copies, _ = self._kept
-        copies = copies.copy()
+    def state(self, k: int) -> SimState:
+        """The kept run's state just before node k, fresh (lists and dicts of its own), to
+        continue the simulation from k with another placement of the nodes from k on."""
+        _, kept, at, _ = self._kept
+        copies = kept.copies.copy()
         late = []  # dicts keep insertion order: the copies made from k on are at the end
         for c in reversed(copies):
             if copies[c][1] < k:
@@ -274,57 +319,120 @@ class Timeline:
             late.append(c)
         for c in late:
             del copies[c]
-        return fin.copy(), list(free_at[k]), copies
+        msgs = {}
+        for key, m in kept.msgs.items():
+            while m is not None and m[3] >= k:
+                m = m[4]
+            if m is not None:
+                msgs[key] = m
+        return kept.resumed(at[k], copies, msgs)
 
-    def _simulate(self, wn, k, fin, free, old, copies, free_at, bound=math.inf) -> float:
-        # `old` holds copies made by an earlier run (with the node that made them); those made
-        # before k are still valid. New copies go to `copies` (the same dict on a full run).
+    def _simulate(self, wn, k, st, old, at, bound=math.inf) -> float:
+        # `old` holds copies and messages made by an earlier run (with the node that made
+        # them); those made before k are still valid. New ones go to `st` (the same state on
+        # a full run). `at`, if a list, gets the workers' state before each node.
         for i in range(k, len(self.ins)):
-            if free_at is not None:
-                free_at.append(free.copy())
-            t = self.advance(i, wn, fin, free, copies, old, k)
+            if at is not None:
+                at.append(st.workers())
+            t = self.advance(i, wn, st, old, k)
             if t > bound:
                 self.steps += i + 1 - k
                 return t
         self.steps += len(self.ins) - k
-        if free_at is not None:
-            free_at.append(free.copy())
-        return max(free) if free else 0.0
+        if at is not None:
+            at.append(st.workers())
+        return max(st.free) if st.free else 0.0
 
-    def advance(self, i, wn, fin, free, copies, old=_NO_COPIES, k=0) -> float:
+    def advance(self, i: int, wn: list[int], st: SimState, old: SimState | None = None,
+                k: int = 0) -> float:  # fmt: skip
         """Run node i on worker wn[i] after nodes 0..i-1: make the copies of its inputs it
-        needs (reusing those in `copies`, or those in `old` made before node k), set its
-        finish time and its worker's next free time; returns the finish time."""
-        lat, ibw = self.lat, self.ibw
+        needs (reusing those in `st`, or those in `old` made before node k), each joining or
+        opening a message; set its finish time and its worker's next free time and stage;
+        returns the finish time."""
+        lat, ibw, W = self.lat, self.ibw, self.W
+        fin, free, copies, msgs = st.fin, st.free, st.copies, st.msgs
+        old = old or st
         w = wn[i]
         t = free[w]
+        stage, busy, busy_of = st.stage[w], st.busy[w] + self.work[i], st.busy_of
         for p, s, key, nbytes in self.ins[i]:
             if p >= 0:
                 s = wn[p]
                 r = fin[p]
             else:
                 r = 0.0
-            if s != w:
-                c = old.get(key + w)
-                if c is None or c[1] >= k:
-                    c = copies.get(key + w)
-                if c is None:
-                    if self.shared:  # one machine: the copy takes its time now
+            if s == w:
+                if r > t:
+                    t = r
+                continue
+            c = old.copies.get(key + w)
+            if c is None or c[1] >= k:
+                c = copies.get(key + w)
+            if c is None:
+                s_src = st.stage_of[p] if p >= 0 else 0
+                mk = (s_src * W + s) * W + w
+                m = msgs.get(mk)
+                if m is None and old is not st:
+                    m = old.msgs.get(mk)
+                    while m is not None and m[3] >= k:
+                        m = m[4]
+                if m is not None and (
+                    p < m[0]  # made before the message's first reader: (a)
+                    or p <= m[5]
+                    or busy_of[p] == (busy_of[m[5]] if m[5] >= 0 else 0)  # views since: (b)
+                ):
+                    send, size = max(m[1], r), m[2] + nbytes
+                    m = (m[0], send, size, i, m, max(m[5], p))
+                    if self.shared:  # one machine: the bytes take their time now
+                        t += nbytes * ibw[s][w]
+                        c = (t, i)
+                    else:
+                        c = (send + lat[s][w] + size * ibw[s][w], i)
+                else:
+                    m = (i, r, nbytes, i, m, p)
+                    busy += 1
+                    if s_src >= stage:
+                        stage = s_src + 1
+                    if self.shared:  # one machine: the message takes its time now
                         t += lat[s][w] + nbytes * ibw[s][w]
                         c = (t, i)
                     else:
                         c = (r + lat[s][w] + nbytes * ibw[s][w], i)
-                    copies[key + w] = c
-                r = c[0]
+                msgs[mk] = m
+                copies[key + w] = c
+            r = c[0]
             if r > t:
                 t = r
         t += self.ct[i][w]
         fin[i] = t
+        st.stage_of[i] = st.stage[w] = stage
+        busy_of[i] = st.busy[w] = busy
         if self.shared:
             free[:] = [t] * len(free)
         else:
             free[w] = t
         return t
+
+    def messages(self, wn: list[int]) -> int:
+        """Messages the graph placed by `wn` sends between workers (`plan.split`'s sends)."""
+        st = self.start()
+        self._simulate(wn, 0, st, st, None)
+        opened = 0
+        for m in st.msgs.values():
+            while m is not None:  # a record with a new first reader opened a message
+                opened += m[4] is None or m[4][0] != m[0]
+                m = m[4]
+        return opened
+
+    def joins(self, p: int, s: int, w: int, st: SimState) -> bool:
+        """Whether a copy of a value made by node p (or stored: p < 0) on worker s would join
+        a message already open to worker w."""
+        s_src = st.stage_of[p] if p >= 0 else 0
+        m = st.msgs.get((s_src * self.W + s) * self.W + w)
+        if m is None:
+            return False
+        busy_of = st.busy_of
+        return p < m[0] or p <= m[5] or busy_of[p] == (busy_of[m[5]] if m[5] >= 0 else 0)
 
     def bytes_moved(self, wn: list[int]) -> int:
         """Bytes sent between workers: each value once per worker that reads it elsewhere."""

@@ -65,7 +65,7 @@ def _transfer_stages(plan: Plan) -> dict[tuple[int, str], int]:
         for s, steps in enumerate(stages):
             for step in steps:
                 if step[0] == "recv":
-                    found[(plan.slots[step[1]], w)] = s
+                    found.update(((plan.slots[slot], w), s) for slot in step[1])
     return found
 
 
@@ -123,7 +123,10 @@ def explain_plan(
             head = f"  stage {s}:" if s != last else ""
             last = s
             lines.append(f"{head:<11}{node!r:<48} {node.meta.get('where', '')}")
-    lines.append(f"transfers: {n_tr}, {human_bytes(plan.bytes_moved)}")
+    n_msg = plan.messages
+    lines.append(
+        f"transfers: {n_tr}, {human_bytes(plan.bytes_moved)} in {n_msg} message{'s' * (n_msg != 1)}"
+    )
     recv_stage = _transfer_stages(plan)
     for tr in plan.transfers:
         s = recv_stage.get((tr.value, tr.dst))

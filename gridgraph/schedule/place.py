@@ -15,9 +15,12 @@ meaning.
 2. List scheduling in recording order (the order workers run their programs in): each free
    unit goes, at its first node, to the worker where that node finishes earliest, counting
    the transfers it waits for, plus the transfers its later nodes will need from data whose
-   place is already known. A sequential chain therefore stays with its data, and a branch
-   moves to an idle worker only when the time it gains there beats the transfer. Three
-   variants weigh the transfers a choice starts more or less (to keep data together).
+   place is already known (a transfer that joins a message already open, see plan.py, at
+   its bytes only). A sequential chain therefore stays with its data, and a branch moves to
+   an idle worker only when the time it gains there beats the transfer. Three variants
+   weigh the transfers a choice starts more or less (to keep data together), each once as
+   said and once charging every transfer a message's latency as well (which keeps apart
+   what coalescing would draw together: each finds better placements on some graphs).
 3. Those, the naive placement and "every free unit on one worker" are starting points. Each is
    refined, the best first, by moves that take one unit to another worker, alone or followed
    by a roll-out of the list scheduling for every unit decided after it (which moves a whole
@@ -198,6 +201,8 @@ def storage_moves(nodes: list[Node], values: Mapping[int, Value]) -> dict[int, s
 REFINE_STEPS = 500_000
 MIN_REFINE_STEPS = 100_000
 GREEDY_ALPHAS = (0.0, 0.25, 1.0)
+# (alpha, whether the greedy scores a transfer joining an open message at its bytes only)
+GREEDY_WAYS = tuple((alpha, coalesce) for coalesce in (True, False) for alpha in GREEDY_ALPHAS)
 
 
 def place(
@@ -252,35 +257,38 @@ def _place(nodes, values, workers, cost, memory_cap, effort) -> dict[int, str]:
     room = _room(tl, units, memory_cap)
     search = _Search(tl, units, room, [tl.index[w] for w in workers])
     # Starting points: list scheduling that weighs the transfers a choice starts by alpha
-    # (more weight keeps data together; which is best depends on the graph), the naive
-    # placement, and everything free on one worker. Each is refined, best first, while the
-    # budget lasts: small graphs refine them all, large ones mostly the best.
-    starts: dict[tuple[int, ...], tuple[float, int, float]] = {}
+    # (more weight keeps data together; which is best depends on the graph), scoring a
+    # transfer that joins an open message at its bytes only or, as if every transfer were a
+    # message of its own, at its latency too (this keeps apart placements that coalescing
+    # would draw together: each finds better ones on some graphs); the naive placement, and
+    # everything free on one worker. Each is refined, best first, while the budget lasts:
+    # small graphs refine them all, large ones mostly the best.
+    starts: dict[tuple[int, ...], tuple[float, int, tuple[float, bool]]] = {}
     no_room: PlacementError | None = None
-    for alpha in GREEDY_ALPHAS:
-        search.alpha = alpha
+    for way in GREEDY_WAYS:
+        search.alpha, search.coalesce = way
         try:
             uw, t = search.greedy()
         except PlacementError as e:  # under a memory cap; another start may still fit
             no_room = no_room or e
             continue
-        starts.setdefault(tuple(uw), (t, tl.bytes_moved(search.expand(uw)), alpha))
+        starts.setdefault(tuple(uw), (t, tl.bytes_moved(search.expand(uw)), way))
     naive = search.from_nodes(tl.encode(naive_placement(nodes, values)))
     for uw in [naive] + [search.all_on(w) for w in search.free_workers]:
         if uw is not None and search.fits(uw):
             wn = search.expand(uw)
-            starts.setdefault(tuple(uw), (tl.run(wn), tl.bytes_moved(wn), 0.0))
+            starts.setdefault(tuple(uw), (tl.run(wn), tl.bytes_moved(wn), GREEDY_WAYS[0]))
     if not starts:
         raise no_room
     steps = effort * max(MIN_REFINE_STEPS, REFINE_STEPS - 40 * len(nodes))
     best: tuple[float, int, list[int]] | None = None
-    for uw, (t, b, alpha) in sorted(starts.items(), key=lambda s: s[1][:2]):
+    for uw, (t, b, way) in sorted(starts.items(), key=lambda s: s[1][:2]):
         if best is not None and steps < 2 * len(nodes):
             break
         if steps <= 0:
             best = (t, b, list(uw))
             break
-        search.alpha = alpha
+        search.alpha, search.coalesce = way
         uw, t, b, steps = search.refine(list(uw), steps)
         if best is None or (t, b) < best[:2]:
             best = (t, b, uw)
@@ -317,6 +325,7 @@ class _Search:
         self.first = [m[0] for m in units.members]
         self.later, self.pushed = self._affinity()
         self.alpha = 0.0  # weight of the transfers a choice starts, on top of its finish
+        self.coalesce = True  # score a transfer that joins an open message at its bytes only
 
     def expand(self, uw: list[int]) -> list[int]:
         return [uw[u] for u in self.units.of]
@@ -357,9 +366,9 @@ class _Search:
         lat, ibw, ct, ins, of = tl.lat, tl.ibw, tl.ct, tl.ins, units.of
         later, pushed, room, nbytes = self.later, self.pushed, self.room, units.nbytes
         n = len(ins)
-        alpha, shared = self.alpha, tl.shared
+        alpha, shared, coalesce = self.alpha, tl.shared, self.coalesce
         if roll is None:
-            k, uw, fin, free, copies = 0, list(fixed), [0.0] * n, [0.0] * len(tl.workers), {}
+            k, uw, st = 0, list(fixed), tl.start()
             load = [0.0] * len(tl.workers)
             wn = [uw[u] for u in of]  # -1 for the nodes of undecided units
         else:
@@ -374,7 +383,8 @@ class _Search:
             load[worker] += nbytes[unit]
             for i in range(k, n):
                 wn[i] = uw[of[i]]
-            fin, free, copies = tl.state(k)
+            st = tl.state(k)
+        fin, free, copies, joins = st.fin, st.free, st.copies, tl.joins
         for i in range(k, n):
             u = of[i]
             if uw[u] < 0:
@@ -392,8 +402,10 @@ class _Search:
                             c = copies.get(key + w)
                             if c is not None:
                                 r = c[0]
-                            else:
-                                x = lat[s][w] + nb * ibw[s][w]
+                            else:  # a message's latency, unless it joins an open one
+                                x = nb * ibw[s][w]
+                                if not (coalesce and joins(p, s, w, st)):
+                                    x += lat[s][w]
                                 if shared:  # one machine: the copy's time adds up
                                     t += x
                                 else:
@@ -404,14 +416,23 @@ class _Search:
                         if r > t:
                             t = r
                     t += alpha * pen
-                    # Data this unit's later nodes read, or fixed units read from it.
+                    # Data this unit's later nodes read, or fixed units read from it: one
+                    # message per other worker (a bit per worker in `linked`) if coalescing.
+                    linked = 0
                     for p, s, nb in later[u]:
                         src = wn[p] if p >= 0 else s
                         if src >= 0 and src != w:
-                            t += lat[src][w] + nb * ibw[src][w]
+                            t += nb * ibw[src][w]
+                            if not linked >> src & 1:
+                                t += lat[src][w]
+                                linked |= coalesce << src
+                    linked = 0
                     for dst, nb in pushed[u]:
                         if dst != w:
-                            t += lat[w][dst] + nb * ibw[w][dst]
+                            t += nb * ibw[w][dst]
+                            if not linked >> dst & 1:
+                                t += lat[w][dst]
+                                linked |= coalesce << dst
                     score = (t + ct[i][w], -local)
                     if best is None or score < best[0]:
                         best = (score, w)
@@ -425,7 +446,7 @@ class _Search:
                 load[w] += nbytes[u]
                 for j in units.members[u]:
                     wn[j] = w
-            t = tl.advance(i, wn, fin, free, copies)
+            t = tl.advance(i, wn, st)
             if t > bound:
                 tl.steps += 4 * (i + 1 - k)  # scoring every worker: about four plain steps
                 return uw, t

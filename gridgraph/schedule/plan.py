@@ -2,17 +2,39 @@
 
 A worker's program is a list of steps in one global topological order (recording order):
 
-    call  op(args) -> outs     run an ATen op on values it holds
-    send  value -> worker      push a value straight to another worker (never via the client)
-    recv  value <- worker      wait for such a value
-    free  value                drop a value after its last use here
-    return value               send a value back to the client with the reply
+    call  op(args) -> outs       run an ATen op on values it holds
+    send  [values] -> worker     push values straight to another worker (never via the client)
+    recv  [values] <- worker     wait for such a message
+    free  value                  drop a value after its last use here
+    return value                 send a value back to the client with the reply
 
-Because every worker follows the same global order, a `recv` always waits for a `send` that
-comes earlier in that order, so the programs cannot deadlock. A send goes right after the
-last step that made its value current: the call that produced it, or the last write to its
-storage recorded before the reader. So a value is sent as early as it can be, and a write
-recorded after the reader cannot leak into what the reader sees.
+Coalesced transfers: everything a worker sends one other worker from one of its stages
+travels in one message, one `send` step naming several values, and the receiver takes all of
+them with one `recv` step, placed at the first of its ops that reads one of them.
+
+When a group is sent. A value is current at the last step of its sender that made it so:
+the call that produced it, or the last write to its storage recorded before its reader
+(writes run where their storage lives, so they are all on the sender). The group's `send`
+goes right after the latest step that made one of its values current. A value made current
+in the sender's stage S joins the sender's latest group to that receiver for stage S if
+  (a) it is current before the group's first reader R in recording order, or
+  (b) the sender runs only views (calls that make tensors sharing an input's storage and
+      write nothing) between the group's send and the step that makes the value current:
+      a view recorded later, of a weight sent earlier, costs no extra message;
+else it opens a new group. So:
+  - every value is captured with the contents its reader must see. No write to its storage
+    comes between the step that made it current and its reader. In case (a) the send comes
+    before R, hence before any write recorded after any reader of the group; in case (b)
+    nothing but views runs between a value's capture and the send;
+  - within one stage of the sender, grouping delays a value by the sender's own ops only,
+    and in case (b) by none.
+No deadlock: every worker runs its steps in the one global order, and a `send` never waits.
+Take a `recv` at global position g: every `recv` its sender meets before the awaited `send`
+is at a position before g (in case (a) the send itself comes before g; case (b) adds no
+`recv` between). So if a worker were blocked forever at a `recv`, its sender would be blocked
+at an earlier one, and so on down a strictly decreasing chain of positions: impossible, as
+the first step of the global order waits for nothing. A value in case (b) reaches its
+receiver before that receiver's op that reads it, as a recv precedes every reader.
 
 A transfer carries values in row-major order: a value laid out otherwise (a transposed
 view) is transposed in place to row-major order around its send and back after its recv,
@@ -29,7 +51,9 @@ values, see `cache.py`.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +106,11 @@ class Plan:
     def bytes_moved(self) -> int:
         return sum(t.nbytes for t in self.transfers)
 
+    @property
+    def messages(self) -> int:
+        """Transfer messages a run sends between workers: one per `send` step."""
+        return sum(step[0] == "send" for st in self.programs.values() for g in st for step in g)
+
     def __str__(self) -> str:
         lines = []
         for worker in sorted(self.programs):
@@ -101,7 +130,7 @@ def _show_step(step: tuple) -> str:
         return f"{', '.join(f'%{o}' for o in outs)} = {op}({shown}{kw})"
     if kind in ("send", "recv"):
         arrow = "->" if kind == "send" else "<-"
-        return f"{kind} %{step[1]} {arrow} {step[2]}"
+        return f"{kind} {', '.join(f'%{v}' for v in step[1])} {arrow} {step[2]}"
     return f"{kind} %{step[1]}"
 
 
@@ -113,6 +142,31 @@ def _show_arg(a: Any) -> str:
     if isinstance(a, list):
         return "[" + ", ".join(_show_arg(x) for x in a) + "]"
     return repr(a)
+
+
+@dataclass
+class _Group:
+    """One transfer message being planned: values `src` sends `dst` from its stage `stage`.
+
+    `before`: how many steps `src` had when the group's first reader was recorded (a value
+    joins only if it is current at a step before that); `at`: the index of the latest step
+    of `src` that made one of its values current (the send goes right after it)."""
+
+    src: str
+    dst: str
+    stage: int
+    before: int
+    at: int = -1
+    slots: list[int] = field(default_factory=list)
+    to_row_major: list[tuple] = field(default_factory=list)
+    back: list[tuple] = field(default_factory=list)
+
+    def add(self, slot: int, at: int, swaps: list[tuple[int, int]]) -> None:
+        self.slots.append(slot)
+        self.at = max(self.at, at)
+        to_row_major = [_transpose(slot, i, j) for i, j in swaps]
+        self.to_row_major.extend(to_row_major)
+        self.back.extend(to_row_major[::-1])
 
 
 class _Builder:
@@ -144,6 +198,15 @@ class _Builder:
         return a
 
 
+def makes_views(node: Node, values: Mapping[int, Value]) -> bool:
+    """Whether a node only makes views: it writes nothing, and each of its outputs shares
+    the storage of one of its inputs (no compute, no new memory)."""
+    if node.writes or not node.outputs:
+        return False
+    read = {values[v].storage for v in node.inputs() if v in values}
+    return all(v in values and values[v].storage in read for v in node.outputs)
+
+
 def run_params(nodes: list[Node]) -> list[Any]:
     """The values of a run's parameters: what the `Param(k)` of its plan stand for."""
     return [p for node in nodes for p in node.params]
@@ -171,10 +234,10 @@ def split(
     home: dict[int, str] = {}  # value id -> worker that owns it after the run
     present: dict[str, set[int]] = defaultdict(set)  # values on each worker, copies included
     stage: dict[str, int] = defaultdict(int)  # each worker's current stage
-    steps: dict[str, list[tuple[int, tuple]]] = defaultdict(list)  # worker -> (stage, step)
-    # Sends go right after the step that made their value current, not at the reader's
-    # position: worker -> index of that step (-1: before all) -> sends attached there.
-    sends: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    # worker -> (stage, step); a group's recv stands as its _Group until the end
+    steps: dict[str, list[tuple[int, tuple | _Group]]] = defaultdict(list)
+    groups: list[_Group] = []  # transfer messages, in the order they were opened
+    open_group: dict[tuple[str, str, int], _Group] = {}  # (src, dst, src's stage) -> latest
     ready: dict[int, int] = {}  # value id -> index of the call that produced it
     last_write: dict[int, int] = {}  # storage -> index of the last call that wrote it
     transfers: list[TransferEdge] = []
@@ -193,6 +256,12 @@ def split(
         value = values.get(vid)
         return value.storage if value is not None else None
 
+    busy_at: dict[str, list[int]] = defaultdict(list)  # worker -> its recvs and non-views
+
+    def busy(w: str, at: int) -> int:
+        """How many recvs and calls other than views worker w runs up to its step `at`."""
+        return bisect_right(busy_at[w], at)
+
     dynamic_slots: dict[int, int] = {}
     for node in nodes:
         w = placement[node.id]
@@ -207,17 +276,23 @@ def split(
             # point at which the value has the contents the reader must see.
             at = max(ready.get(vid, -1), last_write.get(storage(vid), -1))
             s_src = steps[src][at][0] if at >= 0 else 0
-            slot = b.slot(vid)
+            group = open_group.get((src, w, s_src))
+            if group is not None and at >= group.before and busy(src, at) != busy(src, group.at):
+                group = None  # current after the group's first reader, and not by views only
+            if group is None:
+                group = _Group(src, w, s_src, len(steps[src]))
+                open_group[(src, w, s_src)] = group
+                groups.append(group)
+                recvs.append(group)
+                s = max(s, s_src + 1)
             swaps = _layout_swaps(values[vid].meta) if vid in values else []
-            to_row_major = [_transpose(slot, i, j) for i, j in swaps]
-            back = to_row_major[::-1]
-            sends[src][at].extend([*to_row_major, ("send", slot, w), *back])
+            group.add(b.slot(vid), at, swaps)
             transfers.append(TransferEdge(vid, src, w, _nbytes(values, vid)))
             present[w].add(vid)
-            recvs.extend([("recv", slot, src), *back])
-            s = max(s, s_src + 1)
         stage[w] = s
-        steps[w].extend((s, r) for r in recvs)
+        for r in recvs:
+            busy_at[w].append(len(steps[w]))
+            steps[w].append((s, r))
         outs = [b.slot(v) for v in node.outputs]
         writes = [(path, b.slot(vid)) for path, vid in node.written_args]
         args = b.template(list(node.args))
@@ -226,6 +301,8 @@ def split(
         if report:
             dynamic_slots[node.id] = outs[0]
         at = len(steps[w])
+        if not makes_views(node, values):
+            busy_at[w].append(at)
         steps[w].append((s, ("call", node.name, args, kwargs, outs, writes, report)))
         for v in node.outputs:
             home[v] = w
@@ -238,12 +315,20 @@ def split(
         w = where(vid)
         steps[w].append((stage[w], ("return", b.slot(vid))))
 
+    # Each group's send goes right after the latest step that made one of its values current;
+    # values laid out otherwise than row-major are transposed around it (see _layout_swaps).
+    sends: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    for g in groups:
+        sends[g.src][g.at].extend([*g.to_row_major, ("send", g.slots, g.dst), *g.back])
     stage_lists: dict[str, list[list[tuple]]] = {}
     for w in set(steps) | set(sends):
         stages: list[list[tuple]] = [[] for _ in range(stage[w] + 1)]
         stages[0].extend(sends[w].get(-1, ()))
         for i, (st, step) in enumerate(steps[w]):
-            stages[st].append(step)
+            if type(step) is _Group:
+                stages[st].extend([("recv", step.slots, step.src), *step.back])
+            else:
+                stages[st].append(step)
             stages[st].extend(sends[w].get(i, ()))
         stage_lists[w] = stages
     for w, stages in stage_lists.items():
@@ -340,6 +425,8 @@ def _refs_in(obj: Any, out: list) -> None:
 def _slots_used(step: tuple) -> list[int]:
     if step[0] == "call":
         return [r.index for r in call_refs(step) if type(r) is Slot] + list(step[4])
+    if step[0] in ("send", "recv"):
+        return list(step[1])
     return [step[1]]
 
 

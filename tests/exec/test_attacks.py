@@ -18,11 +18,13 @@ import hashlib
 import os
 import uuid
 
+import local_peer
 import pytest
 import torch
 from arena import arena_fixture  # noqa: F401 (fixtures)
 from hostile import Peer, call, frame, run, tensor_ref
 
+import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.transport import pack_blocks
 from gridgraph.exec.worker import worker_topic
@@ -235,7 +237,7 @@ def test_a_program_that_would_run_for_hours_is_refused_or_stopped(arena):
 
 def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
     arena.attacker_put(1, torch.ones(1))
-    rid = arena.attacker.send(arena.target, run([["recv", 0, arena.other]], [2], run_id=7))
+    rid = arena.attacker.send(arena.target, run([["recv", [0], arena.other]], [2], run_id=7))
     for _ in range(3):
         arena.check()  # served while the attacker's recv waits
     arena.attacker.publish(
@@ -247,7 +249,7 @@ def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
 
 
 def test_a_recv_from_a_worker_that_does_not_exist_fails_at_once(arena):
-    reply = arena.attack(run([["recv", 0, "nobody"]], [2]), timeout=20)
+    reply = arena.attack(run([["recv", [0], "nobody"]], [2]), timeout=20)
     assert reply["ok"] is False
     arena.check()
 
@@ -260,11 +262,50 @@ def test_transfers_claiming_to_be_for_the_victim_never_reach_it(arena):
     for run_id in range(1, 9):
         for vid in range(1, 16):
             for src in (arena.attacker.transport.identity, "ghost", arena.other):
-                msg = {"kind": "transfer", "client": client, "run": run_id, "value": vid,
-                       "src": src, "tensor": poison}  # fmt: skip
+                msg = {"kind": "transfer", "client": client, "run": run_id, "values": [vid],
+                       "src": src, "tensors": [poison]}  # fmt: skip
                 arena.attacker.publish(arena.target, wire.encode(msg))
     for _ in range(3):
         arena.check()
+
+
+# A worker the program names gone bad: its grouped transfer has one bad value among good ones.
+GOOD = [torch.arange(4.0), torch.ones(2, 2), torch.zeros(3)]
+GROUPS = {  # case: (value ids, tensors, what the error says)
+    "all good": ([11, 12, 13], GOOD, ""),
+    "a wrong value id": ([11, 99, 13], GOOD, "other values than %11, %12, %13"),
+    "a value id twice": ([11, 12, 11], GOOD, "one tensor per value id, each id once"),
+    "a tensor over the memory limit": (
+        [11, 12, 13],
+        [GOOD[0], torch.zeros(1 << 19), GOOD[2]],
+        "memory limit",
+    ),
+    "a tensor short": ([11, 12, 13], GOOD[:2], "one tensor per value id"),
+    "a value that is not a tensor": ([11, 12, 13], [GOOD[0], "x", GOOD[2]], "one tensor per"),
+}
+
+
+@pytest.mark.parametrize("case", GROUPS)
+def test_a_grouped_transfer_with_one_bad_value_stores_none_of_them(case):
+    values, tensors, error = GROUPS[case]
+    with gg.local_grid(1, limits=gg.Limits(max_client_memory=1 << 20)) as grid:
+        client = local_peer.Peer(grid)  # mallory/s
+        rogue = local_peer.Peer(grid, name="w1")  # the worker its program receives from
+        steps = [["recv", [0, 1, 2], "w1"], ["return", 0], ["return", 1], ["return", 2]]
+        rid = client.send("w0", run(steps, [11, 12, 13]))
+        transfer = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w1",
+                    "values": values, "tensors": tensors}  # fmt: skip
+        rogue.publish("w0", wire.encode(transfer))
+        reply = client.reply(rid)
+        stored = client.request("w0", {"kind": "stats"})["objects"]
+        if case == "all good":  # the same message, well formed, is taken whole
+            assert reply["ok"], reply
+            assert all(torch.equal(t, g) for (_, t), g in zip(reply["returns"], GOOD))
+            assert stored == 3
+        else:
+            assert not reply["ok"] and error in reply["error"]["message"], reply
+            assert stored == 0
+        assert client.request("w0", {"kind": "ping"})["ok"]  # and the worker serves on
 
 
 # --- exactly once, per session ---------------------------------------------------------------
@@ -365,7 +406,10 @@ MALFORMED = {
     ),
     "a slot beyond the program": run([call("aten::neg", [Slot(99)], [0])], [1]),
     "a negative slot": run([["return", -1]], [1]),
-    "send to a non-name": run([["send", 0, 5]], [1]),
+    "send to a non-name": run([["send", [0], 5]], [1]),
+    "send of a bare slot": run([["send", 0, "w1"]], [1]),
+    "send of no values": run([["send", [], "w1"]], [1]),
+    "recv of a slot twice": run([["recv", [0, 0], "w1"]], [1]),
     "recv without a source": run([["recv"]], [1]),
     "free of a non-slot": run([["free", "x"]], [1]),
     "a step that is not a list": run([42], [1]),

@@ -127,7 +127,8 @@ def a_step(rng: random.Random) -> list:
         op_args = [an_arg(rng) for _ in range(rng.randint(0, 4))]
         return call(rng.choice(OPS), op_args, outs, {}, writes, rng.random() < 0.3)
     if kind in ("send", "recv"):
-        return [kind, slot, rng.choice(["w0", "w1", "nobody"])]
+        slots = [slot] + [rng.randint(0, 5) for _ in range(rng.randint(0, 2))]
+        return [kind, slots, rng.choice(["w0", "w1", "nobody"])]
     return [kind, slot]
 
 
@@ -149,9 +150,11 @@ def a_request(rng: random.Random) -> dict:
     elif kind == "free":
         body = {"free": [rng.randint(0, 8) for _ in range(rng.randint(0, 3))]}
     elif kind in ("transfer", "resend"):
+        n = rng.randint(1, 3)
         body = {"client": a_text(rng), "run": small_int(rng), "value": small_int(rng),
+                "values": [small_int(rng) for _ in range(n)],
                 "src": rng.choice(["w0", "w1", "x"]), "dst": "w1",
-                "tensor": a_tensor(rng)}  # fmt: skip
+                "tensors": [a_tensor(rng) for _ in range(n)]}  # fmt: skip
     elif kind == "abort":
         body = {"run": small_int(rng)}
     return {"kind": kind, "id": a_text(rng), "reply_to": "", "free": [],

@@ -118,8 +118,8 @@ def test_a_forged_transfer_is_refused(ipfs_grid, ipfs_workers, attacker):
     victim = f"{client.transport.identity}/{client.session}"
     for run in range(1, 40):  # any run number the victim may use next
         for src in ("w9", "w1"):  # its own name (authentic), and w1's (a lie)
-            forged = {"kind": "transfer", "client": victim, "run": run, "value": x._vid,
-                      "src": src, "tensor": torch.full((100,), 42.0)}  # fmt: skip
+            forged = {"kind": "transfer", "client": victim, "run": run, "values": [x._vid],
+                      "src": src, "tensors": [torch.full((100,), 42.0)]}  # fmt: skip
             attacker.publish("w2", wire.encode(forged))
     assert attacker.request("w2", {"kind": "ping"})["ok"]  # after the forgeries, on one topic
     wait_for_log(worker(ipfs_workers, "w2"), "dropped a transfer claiming to come from w1")
@@ -280,8 +280,8 @@ def test_transfers_from_unknown_workers_do_not_stall_a_worker(ipfs_grid, ipfs_wo
     a = torch.randn(4)
     x = a.send(ipfs_grid.workers[1])
     for i in range(20):
-        bogus = {"kind": "transfer", "client": "c/s", "run": 1, "value": 1, "src": f"ghost{i}",
-                 "tensor": torch.zeros(1)}  # fmt: skip
+        bogus = {"kind": "transfer", "client": "c/s", "run": 1, "values": [1],
+                 "src": f"ghost{i}", "tensors": [torch.zeros(1)]}  # fmt: skip
         attacker.publish("w1", wire.encode(bogus))
     start = time.monotonic()
     assert torch.equal(x.get(), a)

@@ -113,6 +113,22 @@ def test_cross_worker_ops_are_exact_with_the_same_counts_as_local(ipfs_grid):
         assert counts == run(local)[2]
 
 
+def test_a_grouped_transfer_over_the_inline_limit_travels_as_blocks(ipfs_grid):
+    """Two values w0 sends w1 from one stage travel in one message; at 1 MiB it is over the
+    inline limit, so it goes as encrypted IPFS blocks, and arrives whole."""
+    w0, w1, _ = ipfs_grid.workers
+    a, c = torch.randn(512, 256), torch.randn(512, 256)  # 512 KiB each
+    pa, pc = a.send(w0), c.send(w0)
+    ipfs_grid.reset_stats()
+    with gg.trace():
+        with gg.on(w1):
+            z = pa * pc + pa
+    assert torch.equal(z.get(), a * c + a)
+    plan = ipfs_grid.client.last_plan
+    assert len(plan.transfers) == 2 and plan.messages == 1
+    assert ipfs_grid.stats()["bytes"] > a.nbytes + c.nbytes  # the message's blocks
+
+
 def test_a_training_loop_matches_local_torch(ipfs_grid):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
@@ -244,9 +260,9 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
         "kind": "transfer",
         "client": f"{ipfs_grid.client.transport.identity}/{session}",
         "run": 1,
-        "value": vid,
+        "values": [vid],
         "src": "w0",
-        "tensor": torch.zeros(32),
+        "tensors": [torch.zeros(32)],
     }
     raw_peer.publish("w1", wire.encode(transfer))  # claims to come from w0
     # Answered with an error.
@@ -266,7 +282,7 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
             "kind": "run",
             "run": 1,
             "plan": 1,
-            "program": [[["recv", 99, "w0"]]],
+            "program": [[["recv", [99], "w0"]]],
             "slots": [1],
             "params": [],
         },

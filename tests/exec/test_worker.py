@@ -195,3 +195,18 @@ def test_bye_frees_everything_the_session_held(local_grid):
              "slots": [x._vid], "params": []}  # fmt: skip
     reply = late.request("w2", fetch)  # finds nothing left of it
     assert not reply["ok"] and "not stored here" in reply["error"]["message"]
+
+
+def test_a_failed_run_tells_the_worker_waiting_for_its_grouped_send(local_grid):
+    """w0 fails before its send of two values: w1, waiting for both in one recv, hears it
+    (its recv would otherwise wait the 120 s recv timeout) and stores neither."""
+    peer = Peer(local_grid)
+    put = {"kind": "put", "values": [[1, torch.ones(2)], [2, torch.ones(3)]]}
+    assert peer.request("w0", put)["ok"]
+    rid = peer.send("w1", hostile.run([["recv", [0, 1], "w0"], ["return", 0]], [1, 2], run_id=5))
+    fails = [hostile.call("aten::neg.default", [Slot(2)], [3]), ["send", [0, 1], "w1"]]
+    peer.send("w0", hostile.run(fails, [1, 2, 9, 10], run_id=5))  # %9: not stored here
+    reply = peer.reply(rid)  # (the peer drops the replies it does not wait for: w0's)
+    assert not reply["ok"] and reply["error"]["upstream"], reply
+    assert "%1, %2 from w0" in reply["error"]["message"]
+    assert peer.request("w1", {"kind": "stats"})["objects"] == 0

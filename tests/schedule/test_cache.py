@@ -42,7 +42,7 @@ def test_repeated_step_hits_the_cache_and_sends_no_program(grid):
         messages.append(s["messages"])
         plan = grid.client.last_plan
         # one run message per worker plus one reply each, plus the worker-to-worker transfers
-        expected.append(2 * len(plan.programs) + len(plan.transfers))
+        expected.append(2 * len(plan.programs) + plan.messages)
         sizes.append(grid.client.transport.sent.bytes)  # what the client sent: the runs
     # loss.item() runs only the forward pass; the backward pass and the update run with the
     # next step's forward. So run 1 is a forward, run 2 also creates the optimizer's state,
@@ -56,16 +56,16 @@ def test_repeated_step_hits_the_cache_and_sends_no_program(grid):
     assert sizes[9] < sizes[1] / 2  # programs are no longer sent, only ids and parameters
     # one run message per worker plus one reply each, plus the transfers between workers
     runs_and_replies = 2 * 3
-    assert messages[9] - runs_and_replies == _transfers(grid)
+    assert messages[9] - runs_and_replies == _transfer_messages(grid)
 
 
-def _transfers(grid) -> int:
+def _transfer_messages(grid) -> int:
     [plan] = [
         p
         for p in grid.client.plans._plans.values()
         if p.id == max(q.id for q in grid.client.plans._plans.values())
     ]
-    return len(plan.transfers)
+    return plan.messages
 
 
 def test_cached_plan_gives_the_same_values_as_a_fresh_one(local_grid):
