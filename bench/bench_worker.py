@@ -8,7 +8,8 @@ Prints, measured side by side in one run:
       chain of ops on a tiny tensor, next to plain torch's own time per ATen op for the same
       step in eager mode;
   (b) wall time per step of a 1024-wide MLP (batch 512) spread over 3 local workers, next to
-      the same step in plain torch, as a ratio, `--repeats` times.
+      the same step in plain torch, as a ratio, `--repeats` times (blocks of `--steps`
+      steps, each block ending when every worker has finished).
 """
 
 from __future__ import annotations
@@ -121,8 +122,15 @@ def train_step(model, opt, x, y):
     return loss
 
 
-def compute_bound(hidden: int, batch: int, steps: int) -> tuple[float, float]:
-    """(plain torch, gridgraph on 3 local workers) seconds per step, interleaved."""
+def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tuple[float, float]]:
+    """(plain torch, gridgraph on 3 local workers) seconds per step, `repeats` times.
+
+    Each measures `steps` steps of one, then `steps` of the other, alternating, so both see
+    the same machine load. A gridgraph block ends when every worker has finished (a stats
+    request queues behind each worker's runs): `loss.item()` returns once the loss is
+    computed, while the workers holding earlier layers still run the backward pass and
+    the optimizer step, which would otherwise overlap whatever is timed next.
+    """
     with gg.local_grid(3) as grid:
         torch.manual_seed(0)
         local = wide_mlp(hidden)
@@ -135,23 +143,29 @@ def compute_bound(hidden: int, batch: int, steps: int) -> tuple[float, float]:
         opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
         opt_r = torch.optim.SGD(remote.parameters(), lr=0.01)
 
-        def remote_step():
-            with gg.trace():
-                loss = train_step(remote, opt_r, x, y)
-            return loss.item()
+        def plain_steps():
+            for _ in range(steps):
+                train_step(local, opt_l, X, Y).item()
 
-        for _ in range(2):
-            train_step(local, opt_l, X, Y).item()
-            remote_step()
-        t_local = t_remote = 0.0
-        for _ in range(steps):  # interleaved, so both see the same machine load
+        def remote_steps():
+            for _ in range(steps):
+                with gg.trace():
+                    loss = train_step(remote, opt_r, x, y)
+                loss.item()
+            grid.stats()  # every worker done
+
+        plain_steps()
+        remote_steps()
+        out = []
+        for _ in range(repeats):
             t = time.perf_counter()
-            train_step(local, opt_l, X, Y).item()
-            t_local += time.perf_counter() - t
+            plain_steps()
+            t_local = time.perf_counter() - t
             t = time.perf_counter()
-            remote_step()
-            t_remote += time.perf_counter() - t
-    return t_local / steps, t_remote / steps
+            remote_steps()
+            t_remote = time.perf_counter() - t
+            out.append((t_local / steps, t_remote / steps))
+    return out
 
 
 def main() -> None:
@@ -172,8 +186,7 @@ def main() -> None:
             f"(a) {label}: worker {worker:.1f} us per op, plain torch {plain:.1f} us per op "
             f"({ops} ops per step), ratio {worker / plain:.2f}x"
         )
-    for _ in range(args.repeats):
-        plain, remote = compute_bound(args.hidden, args.batch, args.steps)
+    for plain, remote in compute_bound(args.hidden, args.batch, args.steps, args.repeats):
         print(
             f"(b) wall time per step, hidden={args.hidden} batch={args.batch}: plain torch "
             f"{plain * 1e3:.1f} ms, gridgraph (3 local workers) {remote * 1e3:.1f} ms, "

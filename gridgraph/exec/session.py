@@ -117,7 +117,8 @@ class Session:
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
-        self.busy = False  # a thread is serving the queue
+        self.busy = False  # a request is queued or running
+        self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
@@ -406,7 +407,7 @@ class Program:
         )
         found = self._footprints.get(key)
         if found is None:
-            found = self._footprints[key] = _footprint(self.steps, inputs, params)
+            found = self._footprints[key] = _footprint(self.steps, self.calls, inputs, params)
             while len(self._footprints) > 8:
                 self._footprints.popitem(last=False)
         return found
@@ -483,7 +484,9 @@ def _param_key(p: Any) -> Any:
     return repr(p)
 
 
-def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tuple:
+def _footprint(
+    steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
+) -> tuple:
     """Run `steps` on meta tensors: the peak of new bytes, the work, the unchecked steps."""
     metas = {s: meta_like(t) for s, t in inputs.items()}
     meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
@@ -518,7 +521,7 @@ def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tu
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
-                footprint = op_footprint(resolve(name), resolved, kw)
+                footprint = op_footprint(calls[i].op, resolved, kw)
             if footprint is None:  # depends on a transfer or on data: check when it runs
                 unchecked.add(i)
                 for slot in [*outs, *(s for _, s in writes)]:

@@ -58,6 +58,8 @@ from gridgraph.exec.transport import Transport
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
+# A session's serving thread waits this long for its next request before it ends.
+SERVER_LINGER = 2.0
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -184,9 +186,11 @@ class Worker:
                 self._outbox.put((reply_to, reply))
                 return
             session.queue.append((msg, arrived, payload))
-            if session.busy:
-                return
             session.busy = True
+            if session.serving:  # its thread is running or waiting for more
+                session.cv.notify_all()
+                return
+            session.serving = True
         threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         ).start()
@@ -271,10 +275,19 @@ class Worker:
     # --- serving (one thread per busy session) ---------------------------------------------
 
     def _drain(self, session: Session) -> None:
+        """Serve `session`'s queue; wait SERVER_LINGER s for more before the thread ends.
+
+        One lasting thread per active session, rather than one per burst of requests:
+        torch's intra-op thread pool (OpenMP) belongs to the thread that calls into it, and
+        a new thread per step would start a new pool, cold, every step.
+        """
         while True:
             with session.cv:
-                if not session.queue or session.closed:
+                if not session.queue:
                     session.busy = False
+                    session.cv.wait_for(lambda: session.queue or session.closed, SERVER_LINGER)
+                if not session.queue or session.closed:
+                    session.busy = session.serving = False
                     return
                 msg, arrived, payload = session.queue.popleft()
             try:
