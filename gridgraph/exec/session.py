@@ -125,6 +125,7 @@ class Session:
         self.executor: Any = None  # the process running its programs (executor.py), if any
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
+        self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
         self._inbox_bytes = 0
         self._sent_bytes = 0
         self._program_bytes = 0
@@ -151,16 +152,20 @@ class Session:
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
             self._reply_bytes -= len(old.reply or b"")
+            old.reply = None
         return rec
 
     def replied(self, rec: Record, reply: bytes) -> None:
-        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay."""
+        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay (a queue of
+        the records holding one, so this costs the same after a million requests)."""
         rec.reply = reply
         self._reply_bytes += len(reply)
-        with_reply = [r for r in reversed(self.records.values()) if r.reply is not None]
-        for old in with_reply[REPLIES_KEPT:]:
-            self._reply_bytes -= len(old.reply)
-            old.reply = None
+        self._with_reply.append(rec)
+        while len(self._with_reply) > REPLIES_KEPT:
+            old = self._with_reply.popleft()
+            if old.reply is not None:
+                self._reply_bytes -= len(old.reply)
+                old.reply = None
 
     # --- programs --------------------------------------------------------------------------
 
@@ -225,6 +230,7 @@ class Session:
             self.executor.close()
         self.programs.clear()
         self.records.clear()
+        self._with_reply.clear()
         self.sent.clear()
         self.queue.clear()
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0

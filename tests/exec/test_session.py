@@ -131,3 +131,15 @@ def test_an_idle_serving_thread_ends_and_the_session_is_idle_while_it_waits(monk
             threading.Event().wait(0.01)
         assert not state.serving
         assert peer.request("w0", {"kind": "ping"})["ok"]  # a new thread serves it
+
+
+def test_a_session_keeps_only_the_latest_replies_and_counts_their_bytes(monkeypatch):
+    monkeypatch.setattr(session, "RECORDS_KEPT", 40)
+    state = session.Session("peer/s", "peer")
+    for i in range(100):
+        state.replied(state.record(str(i)), bytes(i))
+    kept = [rid for rid, rec in state.records.items() if rec.reply is not None]
+    latest = range(100 - session.REPLIES_KEPT, 100)
+    assert kept == [str(i) for i in latest]
+    assert len(state.records) == 40
+    assert state.memory() == sum(latest) + session.RECORD_BYTES * 40
