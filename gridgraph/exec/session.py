@@ -439,7 +439,7 @@ class CompiledCall:
         self.outs, self.writes, self.report = outs, writes, report
         self.n_returns = len(outs) - len(writes)
         # (position or keyword, filler) for each argument that names a slot or parameter;
-        # the other arguments are constants, copied from the template.
+        # the other arguments are constants, shared with the template (see `_filler`).
         self.args = list(args)
         self.kwargs = dict(kwargs)
         self.fills = [(i, _filler(a)) for i, a in enumerate(args) if _has_ref(a)]
@@ -473,14 +473,10 @@ def _filler(a: Any) -> Any:
         index = a.index
         return lambda value, params: params[index]
     if t is list:
-        parts = [_filler(x) if _has_ref(x) else _constant(x) for x in a]
+        parts = [_filler(x) for x in a]
         return lambda value, params: [part(value, params) for part in parts]
-    return _constant(a)
-
-
-def _constant(a: Any) -> Any:
-    if type(a) is list:  # a fresh list each run, as the op may keep it
-        return lambda value, params: list(a)
+    # A constant, shared by every run: ATen copies the lists and numbers it is given and
+    # never changes or keeps the Python objects.
     return lambda value, params: a
 
 
