@@ -20,11 +20,16 @@ client says `bye` or its lease expires. A session's requests run one at a time, 
 a thread of its own (worker.py starts it), so one client's long program or blocked `recv`
 delays no other client.
 
-Running a program: every step is checked when the program arrives (`Program`); before a run,
+Running a program: every step is checked when the program arrives (`Program`), and each call
+step is prepared then, once (`CompiledCall`: its op resolved from the allowlist, its arguments
+a template with the slot and parameter positions to fill), so a replay of a cached program
+looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
 any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
-way just before they run. A run that fails undoes what it stored.
+way just before they run. Every result is bounds-checked, the memory limit is checked after
+every call (from running byte counts) and the time limit before every step. A run that fails
+undoes what it stored.
 """
 
 from __future__ import annotations

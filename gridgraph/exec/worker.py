@@ -15,7 +15,9 @@ Policy:
     - The transport's thread only decodes, checks and enqueues (`on_message`); it never
       blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
     - Each session's requests run one at a time in arrival order on a thread of its own, so
-      one client's long program, or a `recv` that waits, delays no other client. With
+      one client's long program, or a `recv` that waits, delays no other client. The thread
+      waits SERVER_LINGER s for the session's next request before it ends (torch's
+      intra-op thread pool belongs to it, and stays warm across a training loop's steps). With
       `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
       executor process (executor.py): a crash, OOM kill or time-out there ends that session
       only, and every later request of it gets an error naming the cause.
