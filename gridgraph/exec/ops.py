@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -52,8 +53,13 @@ def check_view(result: Any) -> None:
 
 
 def _check_bounds(t: torch.Tensor) -> None:
-    if t.layout != torch.strided or t.device.type != "cpu":
+    if t.layout != torch.strided or not t.is_cpu:
         raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
+    if t.is_contiguous():  # the common case, checked without walking sizes and strides:
+        # a contiguous layout has non-negative strides and reaches offset + numel - 1
+        offset = t.storage_offset()
+        if offset >= 0 and (offset + t.numel()) * t.element_size() <= t.untyped_storage().nbytes():
+            return
     _check_layout(t, t.shape, t.stride(), t.storage_offset())
 
 
@@ -121,19 +127,9 @@ class RandomState:
     def call(self, op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
         """Run one resolved op: seeded ops draw from this stream; an uninitialised result is
         zero-filled."""
-        if _uninitialized(op):
-            return op(*args, **kwargs).zero_()
-        if op is torch.ops.aten.as_strided_.default:  # checked before it changes the tensor
-            t, sizes, strides, *rest = args
-            _check_layout(t, sizes, strides, rest[0] if rest else t.storage_offset())
-        if op in _RESIZE:  # memory it grows into is zeroed, never what was there before
-            before = args[0].untyped_storage().nbytes()
-            result = op(*args, **kwargs)
-            storage = torch.empty(0, dtype=torch.uint8).set_(result.untyped_storage())
-            storage[before:].zero_()
-            return result
-        if not _seeded(op):
-            return op(*args, **kwargs)
+        return runner(op)(self, args, kwargs)
+
+    def seeded(self, op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
         with _global_rng:
             saved = torch.get_rng_state()
             torch.set_rng_state(self.state)
@@ -142,3 +138,40 @@ class RandomState:
             finally:
                 self.state = torch.get_rng_state()
                 torch.set_rng_state(saved)
+
+
+Runner = Callable[[RandomState, list, dict], Any]
+
+
+@cache
+def runner(op: torch._ops.OpOverload) -> Runner:
+    """How a worker runs `op`, decided once per op: `runner(op)(rng, args, kwargs)`.
+
+    Most ops are called as they are; uninitialised results are zero-filled, `as_strided_`
+    is bounds-checked before it changes its tensor, memory `resize_` grows into is zeroed,
+    and seeded ops draw from the session's own stream `rng`.
+    """
+    if _uninitialized(op):
+        return lambda rng, args, kwargs: op(*args, **kwargs).zero_()
+    if op is torch.ops.aten.as_strided_.default:
+        return _as_strided_
+    if op in _RESIZE:
+        return lambda rng, args, kwargs: _resize(op, args, kwargs)
+    if _seeded(op):
+        return lambda rng, args, kwargs: rng.seeded(op, args, kwargs)
+    return lambda rng, args, kwargs: op(*args, **kwargs)
+
+
+def _as_strided_(rng: RandomState, args: list, kwargs: dict) -> Any:
+    t, sizes, strides, *rest = args  # checked before it changes the tensor
+    _check_layout(t, sizes, strides, rest[0] if rest else t.storage_offset())
+    return torch.ops.aten.as_strided_.default(*args, **kwargs)
+
+
+def _resize(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
+    """Memory a resize grows into is zeroed, never what was there before."""
+    before = args[0].untyped_storage().nbytes()
+    result = op(*args, **kwargs)
+    storage = torch.empty(0, dtype=torch.uint8).set_(result.untyped_storage())
+    storage[before:].zero_()
+    return result

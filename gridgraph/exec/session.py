@@ -20,11 +20,16 @@ client says `bye` or its lease expires. A session's requests run one at a time, 
 a thread of its own (worker.py starts it), so one client's long program or blocked `recv`
 delays no other client.
 
-Running a program: every step is checked when the program arrives (`Program`); before a run,
+Running a program: every step is checked when the program arrives (`Program`), and each call
+step is prepared then, once (`CompiledCall`: its op resolved from the allowlist, its arguments
+a template with the slot and parameter positions to fill), so a replay of a cached program
+looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
 any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
-way just before they run. A run that fails undoes what it stored.
+way just before they run. Every result is bounds-checked, the memory limit is checked after
+every call (from running byte counts) and the time limit before every step. A run that fails
+undoes what it stored.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from gridgraph.exec.limits import (
     meta_like,
     op_footprint,
 )
-from gridgraph.exec.ops import OpRefused, RandomState, check_view, resolve
+from gridgraph.exec.ops import OpRefused, RandomState, check_view, resolve, runner
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs
@@ -127,13 +132,15 @@ class Session:
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
-        self.busy = False  # a thread is serving the queue
+        self.busy = False  # a request is queued or running
+        self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
         self.executor: Any = None  # the process running its programs (executor.py), if any
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
+        self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
         self._inbox_bytes = 0
         self._sent_bytes = 0
         self._program_bytes = 0
@@ -160,16 +167,20 @@ class Session:
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
             self._reply_bytes -= len(old.reply or b"")
+            old.reply = None
         return rec
 
     def replied(self, rec: Record, reply: bytes) -> None:
-        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay."""
+        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay (a queue of
+        the records holding one, so this costs the same after a million requests)."""
         rec.reply = reply
         self._reply_bytes += len(reply)
-        with_reply = [r for r in reversed(self.records.values()) if r.reply is not None]
-        for old in with_reply[REPLIES_KEPT:]:
-            self._reply_bytes -= len(old.reply)
-            old.reply = None
+        self._with_reply.append(rec)
+        while len(self._with_reply) > REPLIES_KEPT:
+            old = self._with_reply.popleft()
+            if old.reply is not None:
+                self._reply_bytes -= len(old.reply)
+                old.reply = None
 
     # --- programs --------------------------------------------------------------------------
 
@@ -234,6 +245,7 @@ class Session:
             self.executor.close()
         self.programs.clear()
         self.records.clear()
+        self._with_reply.clear()
         self.sent.clear()
         self.queue.clear()
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
@@ -399,6 +411,11 @@ class Program:
                 if slot not in defined and slot not in self.inputs:
                     self.inputs.append(slot)
             defined.update(_defines(step))
+        # Each call step prepared once (its op resolved, its arguments turned into
+        # accessors), so a run does no name lookup and no per-argument type dispatch.
+        self.calls: dict[int, CompiledCall] = {
+            i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
+        }
         # (input metas, params) -> (bytes at peak, work, steps checked only when they run)
         self._footprints: OrderedDict[tuple, tuple[int, float, frozenset[int]]] = OrderedDict()
 
@@ -411,10 +428,71 @@ class Program:
         )
         found = self._footprints.get(key)
         if found is None:
-            found = self._footprints[key] = _footprint(self.steps, inputs, params)
+            found = self._footprints[key] = _footprint(self.steps, self.calls, inputs, params)
             while len(self._footprints) > 8:
                 self._footprints.popitem(last=False)
         return found
+
+
+class CompiledCall:
+    """A checked call step prepared to run: its op resolved from the allowlist, its
+    arguments a template whose slot and parameter positions are filled per run.
+
+    Nothing here is generated source: the op comes from `resolve` (the allowlist) and the
+    fillers are closures over the step's slot and parameter indices, which `_check_step`
+    checked to be in range.
+    """
+
+    __slots__ = ("name", "op", "run", "args", "kwargs", "fills", "outs", "writes", "report",
+                 "n_returns")  # fmt: skip
+
+    def __init__(self, step: list) -> None:
+        _, name, args, kwargs, outs, writes, report = step
+        self.name = name
+        self.op = resolve(name)
+        self.run = runner(self.op)  # (session rng, args, kwargs) -> result; see ops.py
+        self.outs, self.writes, self.report = outs, writes, report
+        self.n_returns = len(outs) - len(writes)
+        # (position or keyword, filler) for each argument that names a slot or parameter;
+        # the other arguments are constants, shared with the template (see `_filler`).
+        self.args = list(args)
+        self.kwargs = dict(kwargs)
+        self.fills = [(i, _filler(a)) for i, a in enumerate(args) if _has_ref(a)]
+        self.fills += [(k, _filler(a)) for k, a in kwargs.items() if _has_ref(a)]
+
+    def arguments(self, value: Any, params: dict) -> tuple[list, dict]:
+        """This call's (args, kwargs) for one run: `value(slot)` gives a slot's tensor."""
+        args, kwargs = self.args.copy(), self.kwargs.copy()
+        for where, fill in self.fills:
+            if type(where) is int:
+                args[where] = fill(value, params)
+            else:
+                kwargs[where] = fill(value, params)
+        return args, kwargs
+
+
+def _has_ref(a: Any) -> bool:
+    t = type(a)
+    if t is Slot or t is Param:
+        return True
+    return t is list and any(_has_ref(x) for x in a)
+
+
+def _filler(a: Any) -> Any:
+    """A function (value, params) -> the argument `a` names in one run."""
+    t = type(a)
+    if t is Slot:
+        index = a.index
+        return lambda value, params: value(index)
+    if t is Param:
+        index = a.index
+        return lambda value, params: params[index]
+    if t is list:
+        parts = [_filler(x) for x in a]
+        return lambda value, params: [part(value, params) for part in parts]
+    # A constant, shared by every run: ATen copies the lists and numbers it is given and
+    # never changes or keeps the Python objects.
+    return lambda value, params: a
 
 
 def _param_key(p: Any) -> Any:
@@ -423,7 +501,9 @@ def _param_key(p: Any) -> Any:
     return repr(p)
 
 
-def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tuple:
+def _footprint(
+    steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
+) -> tuple:
     """Run `steps` on meta tensors: the peak of new bytes, the work, the unchecked steps."""
     metas = {s: meta_like(t) for s, t in inputs.items()}
     meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
@@ -458,7 +538,7 @@ def _footprint(steps: list, inputs: dict[int, torch.Tensor], params: dict) -> tu
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
-                footprint = op_footprint(resolve(name), resolved, kw)
+                footprint = op_footprint(calls[i].op, resolved, kw)
             if footprint is None:  # depends on a transfer or on data: check when it runs
                 unchecked.add(i)
                 for slot in [*outs, *(s for _, s in writes)]:
@@ -524,16 +604,6 @@ class Run:
     def value(self, slot: int) -> torch.Tensor:
         return self.s.store.get(self.slots[slot])
 
-    def arg(self, a: Any) -> Any:
-        t = type(a)
-        if t is Slot:
-            return self.value(a.index)
-        if t is Param:
-            return self.params[a.index]
-        if t is list:
-            return [self.arg(x) for x in a]
-        return a
-
     def store(self, slot: int, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise RequestError(f"slot {slot} would hold a {type(tensor).__name__}, not a tensor")
@@ -542,18 +612,30 @@ class Run:
         self.created.append(vid)
 
     def execute(self, program: Program, unchecked: frozenset[int]) -> dict:
-        returns, dynamic = [], []
         limits = self.w.limits
+        check_memory = limits.max_client_memory is not None
+        # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
+        # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
+        # no workspace without it, and nn.LSTM's backward needs that workspace).
+        with torch.enable_grad():
+            return self._execute(program, unchecked, limits, check_memory)
+
+    def _execute(
+        self, program: Program, unchecked: frozenset[int], limits: Limits, check_memory: bool
+    ) -> dict:
+        returns, dynamic = [], []
+        deadline = self.deadline
         for i, step in enumerate(program.steps):
             try:
-                if time.monotonic() > self.deadline:
+                if time.monotonic() > deadline:
                     raise TimeLimitExceeded(limits.max_request_seconds)
                 kind = step[0]
                 if kind == "call":
-                    report = self.call(step, check=i in unchecked)
+                    report = self.call(program.calls[i], check=i in unchecked)
                     if report is not None:
                         dynamic.append(report)
-                    limits.check_memory(self.s.memory(), f"{step[1]}")
+                    if check_memory:  # a sum of running counts: no walk over the store
+                        limits.check_memory(self.s.memory(), step[1])
                 elif kind == "send":
                     self.send(step[1], step[2])
                 elif kind == "recv":
@@ -566,18 +648,13 @@ class Run:
                 return self.fail(program.steps, i, e)
         return {"returns": returns, "dynamic": dynamic}
 
-    def call(self, step: list, check: bool) -> list | None:
-        _, name, args, kwargs, outs, writes, report = step
-        op = resolve(name)
-        resolved = [self.arg(a) for a in args]
-        kw = {k: self.arg(v) for k, v in kwargs.items()}
+    def call(self, call: CompiledCall, check: bool) -> list | None:
+        name, outs, writes, report = call.name, call.outs, call.writes, call.report
+        op = call.op
+        resolved, kw = call.arguments(self.value, self.params)
         if check:  # its inputs came during the run: check its footprint now, before it runs
             self.check_footprint(op, name, resolved, kw)
-        # Grad mode on, as where the client recorded the op: no stored tensor requires grad,
-        # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
-        # no workspace without it, and nn.LSTM's backward needs that workspace).
-        with torch.enable_grad():
-            result = self.s.rng.call(op, resolved, kw)
+        result = call.run(self.s.rng, resolved, kw)
         check_view(result)
         self.s.ops_run += 1
         if isinstance(result, torch.Tensor):
@@ -595,9 +672,8 @@ class Run:
             if not isinstance(result, (bool, int, float, complex)):
                 raise TypeError(f"{name} returned {type(result).__name__}")
             return [outs[0], "none", [], [result]]
-        n_returns = len(outs) - len(writes)
-        if len(tensors) > n_returns:
-            raise RuntimeError(f"{name} returned {len(tensors)} tensors, expected {n_returns}")
+        if len(tensors) > call.n_returns:
+            raise RuntimeError(f"{name} returned {len(tensors)} tensors, expected {call.n_returns}")
         written = [(slot, _at_path(resolved, kw, path)) for path, slot in writes]
         for slot, t in zip(outs, tensors):
             self.store(slot, t)

@@ -15,7 +15,9 @@ Policy:
     - The transport's thread only decodes, checks and enqueues (`on_message`); it never
       blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
     - Each session's requests run one at a time in arrival order on a thread of its own, so
-      one client's long program, or a `recv` that waits, delays no other client. With
+      one client's long program, or a `recv` that waits, delays no other client. The thread
+      waits SERVER_LINGER s for the session's next request before it ends (torch's
+      intra-op thread pool belongs to it, and stays warm across a training loop's steps). With
       `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
       executor process (executor.py): a crash, OOM kill or time-out there ends that session
       only, and every later request of it gets an error naming the cause.
@@ -59,6 +61,8 @@ from gridgraph.exec.transport import Transport
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
+# A session's serving thread waits this long for its next request before it ends.
+SERVER_LINGER = 2.0
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -185,9 +189,11 @@ class Worker:
                 self._outbox.put((reply_to, reply))
                 return
             session.queue.append((msg, arrived, payload))
-            if session.busy:
-                return
             session.busy = True
+            if session.serving:  # its thread is running or waiting for more
+                session.cv.notify_all()
+                return
+            session.serving = True
         threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         ).start()
@@ -276,10 +282,19 @@ class Worker:
     # --- serving (one thread per busy session) ---------------------------------------------
 
     def _drain(self, session: Session) -> None:
+        """Serve `session`'s queue; wait SERVER_LINGER s for more before the thread ends.
+
+        One lasting thread per active session, rather than one per burst of requests:
+        torch's intra-op thread pool (OpenMP) belongs to the thread that calls into it, and
+        a new thread per step would start a new pool, cold, every step.
+        """
         while True:
             with session.cv:
-                if not session.queue or session.closed:
+                if not session.queue:
                     session.busy = False
+                    session.cv.wait_for(lambda: session.queue or session.closed, SERVER_LINGER)
+                if not session.queue or session.closed:
+                    session.busy = session.serving = False
                     return
                 msg, arrived, payload = session.queue.popleft()
             try:

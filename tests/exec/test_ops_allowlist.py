@@ -95,6 +95,9 @@ def test_a_view_past_its_storage_is_refused():
         check_view(view)
     with pytest.raises(ViewOutOfBounds):
         check_view([x, view])
+    shifted = aten._reshape_alias.default(x[2:], [3], [1])  # contiguous, offset 2: one past
+    with pytest.raises(ViewOutOfBounds, match="needs 20 bytes of a storage of 16"):
+        check_view(shifted)
 
 
 # --- on the client: ops outside the list -------------------------------------------------

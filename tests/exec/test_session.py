@@ -1,0 +1,145 @@
+"""Running cached programs (session.py): call steps prepared once, the same values as plain
+torch, and every check of a run kept: undo on failure, the memory limit per step.
+
+Programs are hand-made and sent by a second peer on a local grid's bus (`Peer`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from local_peer import Peer
+
+import gridgraph as gg
+from gridgraph.exec import session, worker
+from gridgraph.exec.limits import Limits
+from gridgraph.schedule.plan import Param, Slot
+
+
+def _run(plan: int, run: int, slots: list[int], params: list, program: list | None) -> dict:
+    msg = {"kind": "run", "run": run, "plan": plan, "slots": slots, "params": params}
+    return msg if program is None else {**msg, "program": program}
+
+
+# x*x + p, then cat([x, that]) with a keyword, then a sum over a dimension list: slots,
+# a parameter, a tensor list and constant lists as arguments.
+PROGRAM = [[
+    ["call", "aten::mul.Tensor", [Slot(0), Slot(0)], {}, [1], [], False],
+    ["call", "aten::add.Tensor", [Slot(1), Param(0)], {"alpha": 2}, [2], [], False],
+    ["call", "aten::cat.default", [[Slot(0), Slot(2)]], {"dim": 0}, [3], [], False],
+    ["call", "aten::sum.dim_IntList", [Slot(3), [0]], {"keepdim": True}, [4], [], False],
+    ["return", 3],
+    ["return", 4],
+]]  # fmt: skip
+
+
+def _expected(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    both = torch.cat([x, torch.add(x * x, p, alpha=2)], dim=0)
+    return both, both.sum([0], keepdim=True)
+
+
+def test_a_cached_program_replays_with_its_ops_resolved_once(local_grid, monkeypatch):
+    peer = Peer(local_grid)
+    x = torch.randn(3, 2)
+    assert peer.request("w0", {"kind": "put", "values": [[1, x]]})["ok"]
+    first = peer.request("w0", _run(7, 1, [1, 2, 3, 4, 5], [[0, 0.5]], PROGRAM))
+    assert first["ok"], first
+
+    def no_lookup(name: str) -> None:
+        raise AssertionError(f"{name} looked up again during a replay")
+
+    monkeypatch.setattr(session, "resolve", no_lookup)
+    for run, p in ((2, -1.5), (3, 4.0)):  # new floats, the cached program
+        reply = peer.request("w0", _run(7, run, [1, 12, 13, 14, 15], [[0, p]], None))
+        assert reply["ok"], reply
+        [[_, both], [_, total]] = reply["returns"]
+        want_both, want_total = _expected(x, p)
+        assert torch.equal(both, want_both) and torch.equal(total, want_total)
+
+
+def test_a_cached_program_failing_midway_undoes_what_it_stored_and_names_the_op(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2, 3)]]})["ok"]
+    program = [[
+        ["call", "aten::add.Tensor", [Slot(0), 1.0], {}, [1], [], False],
+        ["call", "aten::mm.default", [Slot(1), Slot(1)], {}, [2], [], False],  # 2x3 @ 2x3
+        ["return", 2],
+    ]]  # fmt: skip
+    fetch = _run(9, 9, [2], [], [[["return", 0]]])
+    for run, sent in ((1, program), (2, None)):  # sent with the program, then cached
+        reply = peer.request("w0", _run(8, run, [1, 2, 3], [], sent))
+        assert not reply["ok"] and reply["error"]["op"] == "aten::mm.default"
+        assert "mat1 and mat2 shapes cannot be multiplied" in reply["error"]["message"]
+        gone = peer.request("w0", {**fetch, "run": 10 + run})
+        assert not gone["ok"] and "not stored" in gone["error"]["message"]  # undone
+    ok = peer.request("w0", _run(9, 20, [1], [], [[["return", 0]]]))
+    assert torch.equal(ok["returns"][0][1], torch.ones(2, 3))  # its input untouched
+
+
+def test_the_memory_limit_holds_at_every_step_of_a_cached_program():
+    # nonzero has no meta kernel, so its output is counted only once it exists
+    program = [[
+        ["call", "aten::nonzero.default", [Slot(0)], {}, [1], [], False],
+        ["call", "aten::nonzero.default", [Slot(0)], {}, [2], [], False],
+        ["call", "aten::nonzero.default", [Slot(0)], {}, [3], [], False],
+    ]]  # fmt: skip
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        small = torch.ones(1 << 13)  # 32 KiB; each nonzero makes 64 KiB
+        assert peer.request("w0", {"kind": "put", "values": [[1, small]]})["ok"]
+        assert peer.request("w0", _run(1, 1, [1, 2, 3, 4], [], program))["ok"]  # 224 KiB
+        state = grid.local_workers[0].sessions["mallory/s"]
+        held = state.store.stored_bytes
+        x = torch.ones(1 << 15)  # 128 KiB; each nonzero makes 256 KiB: the third is over
+        assert peer.request("w0", {"kind": "put", "values": [[5, x]]})["ok"]
+        reply = peer.request("w0", _run(1, 2, [5, 6, 7, 8], [], None))  # the cached program
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"]
+        assert reply["error"]["op"] == "aten::nonzero.default"
+        assert state.ops_run == 3 + 3  # it stopped at the step that went over
+        assert state.store.stored_bytes == held + x.nbytes  # the run's results undone
+
+
+def test_a_sessions_requests_are_served_by_one_lasting_thread(local_grid, monkeypatch):
+    # torch's intra-op thread pool belongs to the calling thread: a new serving thread per
+    # request would start a cold pool every training step.
+    threads: list[threading.Thread] = []
+    answer = worker.answer
+
+    def record_thread(*args):
+        threads.append(threading.current_thread())
+        return answer(*args)
+
+    monkeypatch.setattr(worker, "answer", record_thread)
+    peer = Peer(local_grid)
+    for _ in range(5):
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+    assert len(threads) == 5 and all(t is threads[0] for t in threads)
+
+
+def test_an_idle_serving_thread_ends_and_the_session_is_idle_while_it_waits(monkeypatch):
+    monkeypatch.setattr(worker, "SERVER_LINGER", 0.05)
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+        state = grid.local_workers[0].sessions["mallory/s"]
+        assert not state.busy  # evictable and expirable while its thread waits for more
+        for _ in range(200):
+            with state.cv:
+                if not state.serving:
+                    break
+            threading.Event().wait(0.01)
+        assert not state.serving
+        assert peer.request("w0", {"kind": "ping"})["ok"]  # a new thread serves it
+
+
+def test_a_session_keeps_only_the_latest_replies_and_counts_their_bytes(monkeypatch):
+    monkeypatch.setattr(session, "RECORDS_KEPT", 40)
+    state = session.Session("peer/s", "peer")
+    for i in range(100):
+        state.replied(state.record(str(i)), bytes(i))
+    kept = [rid for rid, rec in state.records.items() if rec.reply is not None]
+    latest = range(100 - session.REPLIES_KEPT, 100)
+    assert kept == [str(i) for i in latest]
+    assert len(state.records) == 40
+    assert state.memory() == sum(latest) + session.RECORD_BYTES * 40
