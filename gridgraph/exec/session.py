@@ -117,7 +117,8 @@ class Session:
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
-        self.busy = False  # a thread is serving the queue
+        self.busy = False  # it has requests queued or running
+        self.server = False  # a thread serves its queue (it lingers a while when idle)
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed

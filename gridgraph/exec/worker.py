@@ -15,7 +15,8 @@ Policy:
     - The transport's thread only decodes, checks and enqueues (`on_message`); it never
       blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
     - Each session's requests run one at a time in arrival order on a thread of its own, so
-      one client's long program, or a `recv` that waits, delays no other client. With
+      one client's long program, or a `recv` that waits, delays no other client. The thread
+      ends once the session has been idle for SERVE_IDLE s. With
       `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
       executor process (executor.py): a crash, OOM kill or time-out there ends that session
       only, and every later request of it gets an error naming the cause.
@@ -58,6 +59,7 @@ from gridgraph.exec.transport import Transport
 log = logging.getLogger("gridgraph.worker")
 
 DISCOVERY_TOPIC = "gridgraph.discovery"
+SERVE_IDLE = 5.0  # seconds a session's thread waits for its next request before it ends
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -184,9 +186,11 @@ class Worker:
                 self._outbox.put((reply_to, reply))
                 return
             session.queue.append((msg, arrived, payload))
-            if session.busy:
-                return
             session.busy = True
+            if session.server:
+                session.cv.notify_all()
+                return
+            session.server = True
         threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         ).start()
@@ -271,10 +275,19 @@ class Worker:
     # --- serving (one thread per busy session) ---------------------------------------------
 
     def _drain(self, session: Session) -> None:
+        """Serve a session's requests in order; linger SERVE_IDLE s for the next one, so a
+        busy client's requests do not each pay for a new thread (and its Kubo connection)."""
         while True:
             with session.cv:
-                if not session.queue or session.closed:
+                idle_until = time.monotonic() + SERVE_IDLE
+                while not session.queue and not session.closed:
                     session.busy = False
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        break
+                    session.cv.wait(left)
+                if not session.queue or session.closed:
+                    session.busy = session.server = False
                     return
                 msg, arrived, payload = session.queue.popleft()
             try:
