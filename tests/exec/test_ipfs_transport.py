@@ -26,11 +26,7 @@ from gridgraph.exec.ipfs.transport import (
 )
 from gridgraph.exec.worker import worker_topic
 
-pytestmark = [
-    pytest.mark.ipfs,
-    # ipfshttpclient 0.7.0 passes `strict=` to urllib3 (pytest resets kubo.py's filter)
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ its own (`Peer`), beside the grid's ordinary client, and checks values against p
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import hostile
@@ -195,3 +196,28 @@ def test_bye_frees_everything_the_session_held(local_grid):
              "slots": [x._vid], "params": []}  # fmt: skip
     reply = late.request("w2", fetch)  # finds nothing left of it
     assert not reply["ok"] and "not stored here" in reply["error"]["message"]
+
+
+# --- serving threads --------------------------------------------------------------------------
+
+
+def test_a_sessions_requests_share_one_thread_which_ends_when_idle(local_grid, monkeypatch):
+    from gridgraph.exec import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "SERVE_IDLE", 0.5)
+    served_on: list[threading.Thread] = []
+    serve = worker_module.Worker._serve
+
+    def recording_serve(self, session, msg, payload):
+        served_on.append(threading.current_thread())
+        serve(self, session, msg, payload)
+
+    monkeypatch.setattr(worker_module.Worker, "_serve", recording_serve)
+    peer = Peer(local_grid, "busy")
+    for _ in range(10):
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+    thread = served_on[0]
+    assert all(t is thread for t in served_on)  # not a thread (and a Kubo connection) each
+    thread.join(5.0)
+    assert not thread.is_alive()  # idle sessions hold no thread
+    assert peer.request("w0", {"kind": "ping"})["ok"]  # a later request starts one again
