@@ -57,6 +57,13 @@ def mb_decode(text: str) -> bytes:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
 
 
+def _rpc_endpoint(addr: str) -> tuple[str, int, str]:
+    """(host, port, path prefix such as "/api/v0") of the RPC API at multiaddr `addr`."""
+    url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname, parts.port, parts.path.rstrip("/")
+
+
 @dataclass(frozen=True)
 class PubsubMessage:
     """One message read from a pubsub subscription."""
@@ -76,17 +83,16 @@ class Subscription:
     """
 
     def __init__(self, addr: str, topic: str, connect_timeout: float) -> None:
-        url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
-        parts = urllib.parse.urlsplit(url)
+        host, port, base = _rpc_endpoint(addr)
         query = urllib.parse.urlencode({"arg": mb_encode(topic.encode())})
         self.topic = topic
         self._closed = threading.Event()
-        self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout)
+        self._conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
         try:
             self._conn.connect()
             # The stream stays idle between messages: no read timeout.
             self._conn.sock.settimeout(None)
-            self._conn.request("POST", f"{parts.path}pubsub/sub?{query}")
+            self._conn.request("POST", f"{base}/pubsub/sub?{query}")
             self._response = self._conn.getresponse()
         except OSError as error:
             self._conn.close()
@@ -143,9 +149,7 @@ class Kubo:
     def __init__(self, addr: str, timeout: float = 60.0) -> None:
         self.addr = addr
         self.timeout = timeout
-        url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
-        parts = urllib.parse.urlsplit(url)
-        self._host, self._port, self._base = parts.hostname, parts.port, parts.path.rstrip("/")
+        self._host, self._port, self._base = _rpc_endpoint(addr)
         self._local = threading.local()  # this thread's kept connection
 
     def _call(
