@@ -28,10 +28,7 @@ from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport
 from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
 
-pytestmark = [
-    pytest.mark.ipfs,
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 
 def worker(workers: list[WorkerProcess], name: str) -> WorkerProcess:

@@ -31,10 +31,7 @@ from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
-pytestmark = [
-    pytest.mark.ipfs,
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 
 # --- helpers --------------------------------------------------------------------------------

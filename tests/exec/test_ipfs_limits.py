@@ -23,10 +23,7 @@ import gridgraph as gg
 from gridgraph.exec.ipfs.discovery import discover
 from gridgraph.exec.ipfs.swarm import stop_worker
 
-pytestmark = [
-    pytest.mark.ipfs,
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 NAMES = ["lim0", "lim1"]
 

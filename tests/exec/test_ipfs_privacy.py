@@ -25,10 +25,7 @@ from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.transport import ACK_PREFIX, INLINE_MAX, IpfsTransport
 from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
 
-pytestmark = [
-    pytest.mark.ipfs,
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 CID = re.compile(rb"baf[a-z2-7]{50,60}")
 MARKERS = {  # float32 values whose bytes occur nowhere by chance

@@ -26,11 +26,7 @@ from gridgraph.exec.ipfs.transport import (
 )
 from gridgraph.exec.worker import worker_topic
 
-pytestmark = [
-    pytest.mark.ipfs,
-    # ipfshttpclient 0.7.0 passes `strict=` to urllib3 (pytest resets kubo.py's filter)
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 
 @pytest.fixture
@@ -107,10 +103,12 @@ def test_identical_payloads_both_arrive(transports, topic):
     inbox = Inbox()
     receiver.subscribe(topic, inbox)
     sender.wait_for_peers(topic, 1)
+    # One at a time: the second copy is published once the first arrived, so what is checked
+    # is that the receiver does not take it for a duplicate (PubSub itself may drop a message
+    # of a burst on a loaded machine, which the client's resends are there for).
     for payload in (b"same", b"same", b"x" * (INLINE_MAX + 1), b"x" * (INLINE_MAX + 1)):
         sender.publish(topic, payload)
-    received = [inbox.get() for _ in range(4)]
-    assert [p for _, p in received] == [b"same", b"same"] + [b"x" * (INLINE_MAX + 1)] * 2
+        assert inbox.get() == (sender.identity, payload)
 
 
 def test_garbage_on_the_topic_does_not_kill_the_subscriber(transports, topic):

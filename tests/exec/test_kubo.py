@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
 
 import pytest
 
-from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, PubsubMessage
+from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, PubsubMessage
 
-pytestmark = [
-    pytest.mark.ipfs,
-    # ipfshttpclient 0.7.0 passes `strict=` to urllib3 (pytest resets kubo.py's filter)
-    pytest.mark.filterwarnings("ignore:The 'strict' parameter:FutureWarning"),
-]
+pytestmark = pytest.mark.ipfs
 
 EVERY_BYTE = bytes(range(256)) * 4
 
@@ -31,6 +28,33 @@ def test_version_and_id(kubo_nodes):
     assert kubo.version() == "0.43.1"
     assert kubo.id() == kubo_nodes[0].peer_id
     assert set(kubo.swarm_peers()) == {n.peer_id for n in kubo_nodes[1:]}
+
+
+def test_calls_on_one_thread_keep_one_connection(kubo_nodes):
+    kubo = Kubo(kubo_nodes[0].api)
+    kubo.version()
+    sock = kubo._local.conn.sock
+    for _ in range(5):
+        kubo.pubsub_pub("test/kept", b"x")
+        assert kubo._local.conn.sock is sock  # no new connection per call
+    other: list = []
+    thread = threading.Thread(target=lambda: (kubo.version(), other.append(kubo._local.conn)))
+    thread.start()
+    thread.join()
+    assert other[0] is not kubo._local.conn  # each thread its own: http.client is not shared
+
+
+def test_a_kept_connection_the_daemon_closed_is_replaced(kubo_nodes):
+    kubo = Kubo(kubo_nodes[0].api)
+    version = kubo.version()
+    kubo._local.conn.sock.shutdown(socket.SHUT_RDWR)  # as when the daemon drops idle ones
+    assert kubo.version() == version
+
+
+def test_a_failed_call_names_the_call_and_the_daemons_message(kubo_nodes):
+    kubo = Kubo(kubo_nodes[0].api)
+    with pytest.raises(KuboError, match=r"/block/get on .*invalid"):
+        kubo.block_get("not-a-cid")
 
 
 def test_pubsub_round_trip_every_byte_value(kubo_nodes):

@@ -1,9 +1,14 @@
 """A small client for the Kubo (go-ipfs) RPC API: only the calls gridgraph needs.
 
 Policy:
-- Unary calls go through ipfshttpclient's HTTP plumbing (`ipfshttpclient.http.ClientSync`),
-  not its `Client` helpers: `ipfshttpclient.connect()` refuses daemons newer than 0.8, and
-  its pubsub helpers send raw topics and data as a URL argument, which current Kubo rejects.
+- Unary calls are plain HTTP POSTs on a keep-alive `http.client` connection, one per calling
+  thread, with bodies multipart-encoded by ipfshttpclient (`ipfshttpclient.multipart`).
+  Not ipfshttpclient's `Client`: `ipfshttpclient.connect()` refuses daemons newer than 0.8,
+  and its pubsub helpers send raw topics and data as a URL argument, which current Kubo
+  rejects. Nor its `ClientSync`: it opens a new requests session and connection per call
+  (~2 ms a publish here, against ~0.7 ms on a kept connection; bench/bench_ipfs.py).
+  A call on a kept connection that the daemon had closed meanwhile is retried once on a new
+  one (Kubo's calls used here are idempotent, and receivers drop a repeated message).
 - Binary RPC arguments (pubsub topics) are multibase base64url ('u' prefix, no padding), as
   Kubo requires; binary bodies (pubsub data, blocks) go as a multipart file.
 - Blocks are capped at `MAX_BLOCK_SIZE` (1 MiB) on our side, so every Kubo release (older
@@ -24,18 +29,12 @@ import json
 import socket
 import threading
 import urllib.parse
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ipfshttpclient import exceptions as ipfs_errors
 from ipfshttpclient import multipart
-from ipfshttpclient.http import ClientSync
 from ipfshttpclient.http_common import multiaddr_to_url_data
-
-# ipfshttpclient 0.7.0 passes `strict=` to urllib3, which warns on every new connection.
-warnings.filterwarnings("ignore", message="The 'strict' parameter", category=FutureWarning)
 
 MAX_BLOCK_SIZE = 1 << 20
 API_BASE = "api/v0"
@@ -58,6 +57,13 @@ def mb_decode(text: str) -> bytes:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
 
 
+def _rpc_endpoint(addr: str) -> tuple[str, int, str]:
+    """(host, port, path prefix such as "/api/v0") of the RPC API at multiaddr `addr`."""
+    url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
+    parts = urllib.parse.urlsplit(url)
+    return parts.hostname, parts.port, parts.path.rstrip("/")
+
+
 @dataclass(frozen=True)
 class PubsubMessage:
     """One message read from a pubsub subscription."""
@@ -77,17 +83,16 @@ class Subscription:
     """
 
     def __init__(self, addr: str, topic: str, connect_timeout: float) -> None:
-        url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
-        parts = urllib.parse.urlsplit(url)
+        host, port, base = _rpc_endpoint(addr)
         query = urllib.parse.urlencode({"arg": mb_encode(topic.encode())})
         self.topic = topic
         self._closed = threading.Event()
-        self._conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=connect_timeout)
+        self._conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
         try:
             self._conn.connect()
             # The stream stays idle between messages: no read timeout.
             self._conn.sock.settimeout(None)
-            self._conn.request("POST", f"{parts.path}pubsub/sub?{query}")
+            self._conn.request("POST", f"{base}/pubsub/sub?{query}")
             self._response = self._conn.getresponse()
         except OSError as error:
             self._conn.close()
@@ -144,7 +149,8 @@ class Kubo:
     def __init__(self, addr: str, timeout: float = 60.0) -> None:
         self.addr = addr
         self.timeout = timeout
-        self._http = ClientSync(addr, API_BASE, timeout=timeout)
+        self._host, self._port, self._base = _rpc_endpoint(addr)
+        self._local = threading.local()  # this thread's kept connection
 
     def _call(
         self,
@@ -156,19 +162,42 @@ class Kubo:
         decoder: str = "json",
         timeout: float | None = None,
     ) -> Any:
-        body, headers = multipart.stream_bytes(data) if data is not None else (None, None)
+        """POST one RPC call; its JSON objects (decoder "json") or raw body ("none")."""
+        query = urllib.parse.urlencode([("arg", a) for a in args] + list((opts or {}).items()))
+        url = f"{self._base}{path}?{query}"
+        body, headers = None, {}
+        if data is not None:
+            chunks, headers = multipart.stream_bytes(data)
+            body = b"".join(chunks)
+        seconds = timeout if timeout is not None else self.timeout
+        for attempt in (0, 1):
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None
+            if conn is None:
+                conn = self._local.conn = http.client.HTTPConnection(self._host, self._port)
+            try:
+                conn.timeout = seconds
+                if conn.sock is not None:
+                    conn.sock.settimeout(seconds)
+                conn.request("POST", url, body=body, headers=headers)
+                response = conn.getresponse()
+                content = response.read()
+                break
+            except (OSError, http.client.HTTPException) as error:
+                conn.close()
+                self._local.conn = None
+                stale = isinstance(error, (ConnectionError, http.client.RemoteDisconnected))
+                if attempt == 0 and reused and stale:
+                    continue  # the daemon closed the kept connection meanwhile
+                raise KuboError(f"{path} on {self.addr}: {error}") from error
+        if response.status != 200:
+            raise KuboError(f"{path} on {self.addr}: HTTP {response.status} {_message(content)}")
+        if decoder == "none":
+            return content
         try:
-            return self._http.request(
-                path,
-                list(args),
-                opts=opts or {},
-                decoder=decoder,
-                data=body,
-                headers=headers,
-                timeout=timeout if timeout is not None else self.timeout,
-            )
-        except ipfs_errors.Error as error:
-            raise KuboError(f"{path} on {self.addr}: {error}") from error
+            return _json_objects(content.decode())
+        except (UnicodeDecodeError, ValueError) as error:
+            raise KuboError(f"{path} on {self.addr}: bad JSON reply: {error}") from error
 
     def id(self) -> str:
         """This node's libp2p peer id, e.g. '12D3KooW...'."""
@@ -227,3 +256,23 @@ class Kubo:
     def refs_local(self) -> list[str]:
         """The CIDs of every block in this node's repo."""
         return [ref["Ref"] for ref in self._call("/refs/local") if ref.get("Ref")]
+
+
+def _json_objects(text: str) -> list[Any]:
+    """The JSON values in a reply body: one, or a stream of them (`block/rm`, `refs/local`)."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return objects
+        value, at = decoder.raw_decode(text, at)
+        objects.append(value)
+
+
+def _message(content: bytes) -> str:
+    """The error message of a failed call's body (Kubo sends {"Message": ..., ...})."""
+    try:
+        return str(json.loads(content)["Message"])
+    except (ValueError, KeyError, TypeError):
+        return content[:200].decode(errors="replace")
