@@ -9,6 +9,7 @@ equal to plain torch.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,3 +296,14 @@ def test_wrong_use_is_refused_at_the_call():
         add(x=a, y=a)
     with pytest.raises(TypeError):
         gg.compile(3)
+
+
+def test_readme_example_runs(capsys):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Compiled steps") :]
+    code = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    # Recorded: the first three calls, and the first with weight 0.5 (the frozen argument
+    # changed); then the argument is a parameter, replayed with either value.
+    assert len(printed) == 3 and printed[-1].endswith("4 recorded, 20 replayed>")
