@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ MAX_REPLAYS = 8  # per argument guard
 MAX_GUARDS = 16  # argument guards per compiled function
 
 _MISS = object()  # a replay's checks failed: record this call instead
+_recording = threading.local()  # `active`: a compiled step is being recorded on this thread
 
 Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
 
@@ -97,6 +99,8 @@ class Compiled:
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_recording, "active", False):
+            return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
         flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
         key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat])
         entry = self._entries.get(key)
@@ -162,10 +166,12 @@ class Compiled:
                  register_optimizer_step_pre_hook(saw_optimizer)]  # fmt: skip
         for c in clients:
             c.on_sync = refuse
+        _recording.active = True
         try:
             with trace():
                 result = self.fn(*args, **kwargs)
         finally:
+            _recording.active = False
             for h in hooks:
                 h.remove()
             for c in clients:
@@ -326,7 +332,8 @@ class _Recording:
                         tuple(self.new_returns), tuple(self.prefetch))  # fmt: skip
         if -1 in self.new_returns:
             self._not("the step returns a value its run did not make")
-        self.nodes = self.produced = self.info = None  # no Node objects kept
+        # Keep no Node objects, nor the cells of every pointer of the start.
+        self.nodes = self.produced = self.info = self.start = self.start_vid = None
 
 
 def _same_step(a: _Recording, b: _Recording) -> bool:
@@ -472,10 +479,10 @@ class _Replay:
                 leaf.grad = made[s]
         if error is not None:
             return None
-        news = []
         for s in rec.new_returns:
-            news.append(made.get(s) or client.make_pointer(slots[s]))
-        return _build(rec.returns, news, flat)
+            if s not in made:  # a pointer returned twice is one pointer
+                made[s] = client.make_pointer(slots[s])
+        return _build(rec.returns, [made[s] for s in rec.new_returns], flat)
 
 
 def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:
