@@ -8,7 +8,8 @@ made under that guard and the replays built from it (at most `MAX_REPLAYS`).
 Policy:
 1. A call whose guard has a replay whose checks pass (the same modules in the same
    train/eval mode, the same optimizer hyperparameters, the values of the arguments it
-   froze, and external inputs with the shapes, locations and aliasing recorded) is replayed:
+   froze, the pointer arguments it pinned, and external inputs with the shapes, locations
+   and aliasing recorded) is replayed:
    fresh value ids for what the step makes, one run message per worker naming the cached
    plan (workers run the programs they keep), then the pointers are rebound and attached as
    the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
@@ -26,7 +27,9 @@ Policy:
    argument; one equal in both is a constant. One that changed and is no argument is state
    outside `fn` (Adam's bias correction from its CPU step counter): `GridError` naming the op
    and line, never a replay of a stale value. Arguments that did not change, or reach the
-   ops only through Python arithmetic, are frozen: another value records again.
+   ops only through Python arithmetic, are frozen: another value records again. A pointer
+   argument that was the same pointer in both recordings is pinned the same way (`fn` may
+   also read it otherwise, through a closure).
 5. Refused while recording, with `GridError` naming the user's line: reading a remote value
    in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
    sending tensors inside `fn`. Pointers of two grids in one step are refused too.
@@ -102,7 +105,7 @@ class Compiled:
         if getattr(_recording, "active", False):
             return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
         flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
-        key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat])
+        key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat], _aliases(flat))
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
@@ -215,6 +218,9 @@ class _Recording:
         self.start_vid = {id(cell): vid for vid, cell in start.items()}
         self.arg_of = arg_of
         self.args = [_snapshot(a) for a in flat]
+        # The pointer each pointer argument was: one passed on two recordings in a row may
+        # also be read by `fn` otherwise (a closure), so a replay takes only that pointer.
+        self.arg_cells = {i: a._cell for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         self.params = run_params(self.nodes)
         self.param_snaps = [_snapshot(p) for p in self.params]
         self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
@@ -385,12 +391,17 @@ class _Replay:
         # Float and tensor arguments the ops do not take as they are: frozen.
         self.fixed = [(i, rec.args[i]) for i, a in enumerate(rec.args)
                       if a is not None and i not in used]  # fmt: skip
+        self.same_pointers = [(i, cell) for i, cell in rec.arg_cells.items()
+                              if previous.arg_cells.get(i) is cell]  # fmt: skip
 
     def matches(self, flat: list) -> bool:
         """The checks that need no lock: grid open, Python state, frozen arguments."""
         rec = self.rec
         if rec.client.closed:
             raise GridError("this grid is closed")
+        for i, cell in self.same_pointers:
+            if flat[i]._cell is not cell:
+                return False
         for i, snap in self.fixed:
             if not _same(snap, _snapshot(flat[i])):
                 return False
@@ -519,6 +530,13 @@ def _guard(a: Any) -> Any:
     if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
         return a
     return (t, id(a))
+
+
+def _aliases(flat: list) -> tuple[int, ...]:
+    """For each pointer argument, the first argument naming the same value."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(a._vid, i) for i, a in enumerate(flat)
+                 if isinstance(a, RemoteTensor))  # fmt: skip
 
 
 class _Snap:

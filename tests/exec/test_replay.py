@@ -307,3 +307,19 @@ def test_readme_example_runs(capsys):
     # Recorded: the first three calls, and the first with weight 0.5 (the frozen argument
     # changed); then the argument is a parameter, replayed with either value.
     assert len(printed) == 3 and printed[-1].endswith("4 recorded, 20 replayed>")
+
+
+def test_pointer_arguments_are_guarded_by_aliasing_and_identity(local_grid):
+    w0 = local_grid.workers[0]
+    a, b = torch.ones(2).send(w0), torch.full((2,), 3.0).send(w0)
+
+    @gg.compile
+    def add(x, y):
+        return x + y + a  # `a` is also read through the closure
+
+    for _ in range(3):
+        assert torch.equal(add(a, a).get(), torch.full((2,), 3.0))
+    assert add.replays == 1
+    assert torch.equal(add(a, b).get(), torch.full((2,), 5.0))  # no longer one pointer
+    assert torch.equal(add(b, b).get(), torch.full((2,), 7.0))  # not `a`: recorded again
+    assert add.replays == 1
