@@ -323,3 +323,12 @@ def test_pointer_arguments_are_guarded_by_aliasing_and_identity(local_grid):
     assert torch.equal(add(a, b).get(), torch.full((2,), 5.0))  # no longer one pointer
     assert torch.equal(add(b, b).get(), torch.full((2,), 7.0))  # not `a`: recorded again
     assert add.replays == 1
+
+
+def test_python_ints_that_shape_the_ops_are_guards(local_grid):
+    p = torch.arange(6.0).reshape(2, 3).send(local_grid.workers[0])
+    reduce = gg.compile(lambda x, dim, scale: x.sum(dim) * scale)
+    for dim, scale in [(0, 2), (0, 2), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2)]:
+        want = torch.arange(6.0).reshape(2, 3).sum(dim) * scale
+        assert torch.equal(reduce(p, dim, scale).get(), want)
+    assert (reduce.recordings, reduce.replays) == (5, 2)
