@@ -26,12 +26,14 @@ from gridgraph.errors import (
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
 from gridgraph.exec.limits import Limits
+from gridgraph.exec.replay import Compiled, compile
 from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on
 from gridgraph.trace.record import trace
 
 __all__ = [
+    "Compiled",
     "Grid",
     "GridError",
     "Limits",
@@ -42,6 +44,7 @@ __all__ = [
     "SessionLost",
     "WorkerLost",
     "WorkerRef",
+    "compile",
     "compute",
     "connect",
     "explain",

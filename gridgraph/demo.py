@@ -1,4 +1,5 @@
-"""The main demo: train a small MLP whose layers live on 3 in-process workers.
+"""The main demo: train a small MLP whose layers live on 3 in-process workers, its training
+step compiled with `gg.compile` (recorded until it is steady, then replayed).
 
 Run: python -m gridgraph demo   (or: gridgraph demo)
 """
@@ -25,7 +26,7 @@ def main(steps: int = 20) -> None:
         model[2].send(w1)
         model[4].send(w2)
         x, y = X.send(w0), Y.send(w2)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
         print("where each tensor lives:")
         for name, p in model.named_parameters():
@@ -33,19 +34,25 @@ def main(steps: int = 20) -> None:
         print(f"  {'x':10s} {tuple(x.shape)!s:10s} on {x.location}")
         print(f"  {'y':10s} {tuple(y.shape)!s:10s} on {y.location}")
 
+        @gg.compile  # recorded while the step changes, then replayed without re-recording
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
         for step in range(1, steps + 1):
             grid.reset_stats()
-            with gg.trace():  # recorded, then run as one batch per worker
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            value = loss.item()
+            replays = train_step.replays
+            loss = train_step(x, y)  # runs as one batch per worker
+            value = loss.item()  # came back with the run: no message
             stats = grid.stats()
-            if step == 1 or step % 5 == 0:
+            if step in (1, 2, 3, 4) or step % 5 == 0:
+                how = "replayed" if train_step.replays > replays else "recorded"
                 print(
                     f"step {step:3d}  loss {value:.4f}  loss on {loss.location}  "
-                    f"messages {stats['messages']:3d}  bytes {stats['bytes']:8d}"
+                    f"messages {stats['messages']:3d}  bytes {stats['bytes']:8d}  {how}"
                 )
 
         with gg.trace():

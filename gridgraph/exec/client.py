@@ -54,6 +54,8 @@ from gridgraph.trace.record import on
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
+# Every client of this process (gg.compile looks for the ones a step records on).
+CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 class _Cell:
@@ -107,6 +109,13 @@ class Client:
         self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
+        self.last_slots: list[int] = []  # the value id of each of its slots
+        # While gg.compile records a step: called with what is about to need a worker's
+        # answer in the middle of the step (a sync point), which it refuses.
+        self.on_sync: Callable[[str], None] | None = None
+        # Values that came back with a compiled step's run (its small results): value id ->
+        # tensor, until the next compiled step or a recorded write (exec/replay.py).
+        self.prefetched: dict[int, torch.Tensor] = {}
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
@@ -116,6 +125,7 @@ class Client:
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
+        CLIENTS.add(self)
 
     # --- pointers --------------------------------------------------------------------------
 
@@ -181,6 +191,8 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self._check_open()
+        if self.prefetched and node.writes:
+            self.prefetched.clear()  # the write may reach a prefetched value's storage
         for vid in node.outputs:
             dtype = self.graph.values[vid].meta.dtype
             if dtype not in SENDABLE_DTYPES:
@@ -194,6 +206,8 @@ class Client:
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
         self._check_open()
+        if self.on_sync is not None:
+            self.on_sync(f"{node.name}, whose result's shape depends on the data")
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
         plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
@@ -205,6 +219,10 @@ class Client:
 
     def fetch(self, vid: int) -> torch.Tensor:
         self._check_open()
+        if vid in self.prefetched:
+            return self.prefetched[vid].clone()
+        if self.on_sync is not None:
+            self.on_sync("reading a remote value (.item(), bool(), .tolist(), .get(), if p:)")
         plan, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
         for reply in replies.values():
             for _, tensor in reply.get("returns", ()):
@@ -217,6 +235,8 @@ class Client:
     def execute(self, vids: list[int]) -> None:
         """Run what these values need; they stay on the workers."""
         self._check_open()
+        if self.on_sync is not None:
+            self.on_sync("running pointers now (p.compute(), gg.compute, an op outside trace)")
         self._execute(self.graph.needed_for(vids), fetch=[])
 
     def compute_all(self) -> None:
@@ -272,7 +292,7 @@ class Client:
                 plan.id = self.plans.new_id()
                 if not dynamic:
                     self.plans.put(key, plan)
-            self.last_plan = plan
+            self.last_plan, self.last_slots = plan, slots
             try:
                 replies = self._run_plan(plan, slots, run_params(nodes))
             except (RemoteError, WorkerLost) as e:
@@ -360,8 +380,11 @@ class Client:
             if vid not in keep and value is not None and value.location is not None:
                 self.frees[value.location].append(vid)
 
-    def _run_plan(self, plan: Plan, slots: list[int], params: list[Any]) -> dict[str, dict]:
-        """Send each worker its part (the program itself only the first time) and wait."""
+    def _run_plan(
+        self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str] | None = None
+    ) -> dict[str, dict]:
+        """Send each worker its part (the program itself only the first time) and wait.
+        `where`: the user's file:line by slot, for errors of runs without pending nodes."""
         run = next(self._runs)
         msgs = {}
         for worker in plan.programs:
@@ -399,10 +422,12 @@ class Client:
         errors = [r["error"] for r in replies.values() if not r.get("ok")]
         if errors:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
-            raise self._remote_error(root, slots)
+            raise self._remote_error(root, slots, where)
         return replies
 
-    def _remote_error(self, error: dict, slots: list[int]) -> RemoteError:
+    def _remote_error(
+        self, error: dict, slots: list[int], where_of: dict[int, str] | None = None
+    ) -> RemoteError:
         if error.get("code") == "session-lost":
             return SessionLost(str(error.get("worker")), str(error.get("message")))
         where = "<unknown>"
@@ -413,6 +438,8 @@ class Client:
                 node = self.graph.pending.get(value.producer)
                 if node is not None:
                     where = node.meta.get("where", where)
+            if where_of:
+                where = where_of.get(slot, where)
         return RemoteError(
             str(error.get("worker")),
             str(error.get("op", "?")),
@@ -425,6 +452,8 @@ class Client:
 
     def request(self, worker: str, msg: dict, counted: bool = True) -> dict:
         """Send one request and wait for its reply; raises RemoteError on an error reply."""
+        if self.on_sync is not None:
+            self.on_sync(f"a {msg['kind']!r} request to {worker} (gg.send, manual_seed, stats)")
         reply = self._wait(worker, self._send(worker, msg, counted))
         if not reply.get("ok"):
             error = reply.get("error", {})

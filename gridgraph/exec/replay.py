@@ -1,0 +1,589 @@
+"""`gg.compile(fn)`: a step recorded through `gg.trace()`, then replayed without its Python.
+
+State, per compiled function: `_entries`, keyed by the guard of a call's arguments (their
+types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
+strings and shapes by value; other objects by identity), each holding the latest recording
+made under that guard and the replays built from it (at most `MAX_REPLAYS`).
+
+Policy:
+1. A call whose guard has a replay whose checks pass (the same modules in the same
+   train/eval mode, the same optimizer hyperparameters, the values of the arguments it
+   froze, the pointer arguments it pinned, and external inputs with the shapes, locations
+   and aliasing recorded) is replayed:
+   fresh value ids for what the step makes, one run message per worker naming the cached
+   plan (workers run the programs they keep), then the pointers are rebound and attached as
+   the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
+2. Any other call is recorded: pending work is run first, `fn` runs under `gg.trace()`, and
+   the whole step runs as one plan (small returned tensors come back with its replies, so
+   reading the loss costs no message). The recording notes what the step reads (argument i,
+   or the pointer that held it at the start), which pointers it rebinds (in-place updates),
+   which new pointers it attaches (`.grad` of a leaf, set by autograd) and what it returns.
+3. Two consecutive recordings under one guard that ran the same plan (the plan cache gave
+   them one id: same ops, shapes, locations and aliasing) with the same effects make a
+   replay. A first step that creates state (grads, optimizer buffers) differs from the next,
+   so replays start once the step is steady (the third call for SGD with momentum).
+4. Floats and local tensors reaching the ops are compared between the two recordings. One
+   equal to a float or tensor argument in both, where that argument changed, is that
+   argument; one equal in both is a constant. One that changed and is no argument is state
+   outside `fn` (Adam's bias correction from its CPU step counter): `GridError` naming the op
+   and line, never a replay of a stale value. Arguments that did not change, or reach the
+   ops only through Python arithmetic, are frozen: another value records again. A pointer
+   argument that was the same pointer in both recordings is pinned the same way (`fn` may
+   also read it otherwise, through a closure).
+5. Refused while recording, with `GridError` naming the user's line: reading a remote value
+   in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
+   sending tensors inside `fn`. Pointers of two grids in one step are refused too.
+
+What replay cannot see: Python state that `fn` reads and that does not reach an op as a
+float or tensor, other than modules' train/eval mode and optimizer hyperparameters (which
+are guarded), is assumed to stay as it was in the recordings. Pointers a replay returns are
+detached (no `grad_fn`): the backward pass ran inside the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gridgraph.errors import GridError, RemoteError, WorkerLost
+from gridgraph.exec.client import CLIENTS, Client, _Cell
+from gridgraph.schedule.plan import Plan, run_params
+from gridgraph.trace.meta import TensorMeta, as_sent
+from gridgraph.trace.pointer import RemoteTensor
+from gridgraph.trace.record import trace, user_frame
+
+# Returned tensors up to this size come back with the step's replies.
+PREFETCH_BYTES = 64 * 1024
+MAX_REPLAYS = 8  # per argument guard
+MAX_GUARDS = 16  # argument guards per compiled function
+
+_MISS = object()  # a replay's checks failed: record this call instead
+_recording = threading.local()  # `active`: a compiled step is being recorded on this thread
+
+Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
+
+
+def compile(fn: Callable) -> Compiled:  # noqa: A001 - gg.compile, as torch.compile
+    """Record `fn` once per guard set and replay it without running its Python.
+
+    >>> @gg.compile
+    ... def step(x, y):
+    ...     opt.zero_grad()
+    ...     loss = F.mse_loss(model(x), y)
+    ...     loss.backward()
+    ...     opt.step()
+    ...     return loss
+    >>> for _ in range(100):
+    ...     print(step(x, y).item())
+    """
+    if not callable(fn):
+        raise TypeError(f"gg.compile takes a function, got {type(fn).__name__}")
+    return Compiled(fn)
+
+
+class Compiled:
+    """A compiled step: call it as `fn`. `recordings` and `replays` count the calls of each
+    kind; `not_replayable` says why the latest recording cannot be replayed, if it cannot."""
+
+    def __init__(self, fn: Callable) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.recordings = self.replays = 0
+        self.not_replayable: str | None = None
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_recording, "active", False):
+            return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
+        flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
+        key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat], _aliases(flat))
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+            while len(self._entries) > MAX_GUARDS:
+                self._entries.popitem(last=False)
+        for replay in entry.replays:
+            if replay.matches(flat):
+                result = replay.run(flat)
+                if result is not _MISS:
+                    self.replays += 1
+                    return result
+        result, rec = self._record(args, kwargs, flat)
+        self.recordings += 1
+        if rec is not None:
+            self.not_replayable = rec.reason
+            previous, entry.last = entry.last, rec
+            if previous is not None and _same_step(previous, rec):
+                entry.replays.insert(0, _Replay(previous, rec, self.__name__))
+                del entry.replays[MAX_REPLAYS:]
+        return result
+
+    def __repr__(self) -> str:
+        calls = f"{self.recordings} recorded, {self.replays} replayed"
+        return f"<gg.compile of {self.__name__}: {calls}>"
+
+    # --- recording ---------------------------------------------------------------------------
+
+    def _record(self, args: tuple, kwargs: dict, flat: list) -> tuple[Any, _Recording | None]:
+        """Run `fn` traced, run its whole step as one plan, and note how to replay it."""
+        owners = {id(a._owner): a._owner for a in flat if isinstance(a, RemoteTensor)}
+        if len(owners) > 1:
+            raise GridError(f"{self.__name__} takes pointers of two different grids")
+        for owner in owners.values():
+            owner._check_open()
+        clients = [c for c in list(CLIENTS) if not c.closed]
+        for c in clients:
+            c.prefetched.clear()
+            if c.graph.pending:
+                c.compute_all()  # the step's plan holds the step's ops only
+            c._collect_dead()
+        start = {c: dict(c.live) for c in clients}
+        arg_of = {a._vid: i for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
+        modules: dict[int, torch.nn.Module] = {}
+        optimizers: dict[int, torch.optim.Optimizer] = {}
+        name = self.__name__
+
+        def refuse(what: str) -> None:
+            raise GridError(
+                f"gg.compile({name}): {what} at {user_frame()}: a compiled step cannot branch "
+                "on or wait for remote values; compute with tensors instead, or do this "
+                "outside the compiled function"
+            )
+
+        def saw_module(m: torch.nn.Module, _: Any) -> None:
+            modules.setdefault(id(m), m)
+
+        def saw_optimizer(o: torch.optim.Optimizer, *_: Any) -> None:
+            optimizers.setdefault(id(o), o)
+
+        hooks = [register_module_forward_pre_hook(saw_module),
+                 register_optimizer_step_pre_hook(saw_optimizer)]  # fmt: skip
+        for c in clients:
+            c.on_sync = refuse
+        _recording.active = True
+        try:
+            with trace():
+                result = self.fn(*args, **kwargs)
+        finally:
+            _recording.active = False
+            for h in hooks:
+                h.remove()
+            for c in clients:
+                c.on_sync = None
+        touched = [c for c in clients if c.graph.pending]
+        if not touched:
+            return result, None
+        if len(touched) > 1:
+            raise GridError(f"{name} records on two different grids in one step")
+        client = touched[0]
+        client._collect_dead()  # pointers that died inside the step are no effect of it
+        rec = _Recording(client, start[client], arg_of, flat)
+        rec.watched = (list(modules.values()), list(optimizers.values()))
+        rec.state = _state(rec.watched)
+        rec.note_effects(result)
+        rec.run()
+        return result, rec
+
+
+@dataclass(eq=False)
+class _Entry:
+    """The calls under one argument guard: the latest recording, and replays."""
+
+    last: _Recording | None = None
+    replays: list[_Replay] = field(default_factory=list)
+
+
+class _Recording:
+    """One recorded call of a compiled step, in terms of its plan's slots."""
+
+    def __init__(self, client: Client, start: dict[int, _Cell], arg_of: dict, flat: list):
+        self.client = client
+        self.reason: str | None = None  # why this call cannot be replayed, if it cannot
+        self.nodes = client.graph.nodes()
+        values = client.graph.values
+        self.produced = {v: n for n in self.nodes for v in n.outputs}
+        # What is known of every value the step reads or makes, before running frees some.
+        self.info = {v: (values[v].meta, values[v].location, values[v].storage)
+                     for n in self.nodes for v in (*n.inputs(), *n.outputs)}  # fmt: skip
+        self.start = start
+        self.start_vid = {id(cell): vid for vid, cell in start.items()}
+        self.arg_of = arg_of
+        self.args = [_snapshot(a) for a in flat]
+        # The pointer each pointer argument was: one passed on two recordings in a row may
+        # also be read by `fn` otherwise (a closure), so a replay takes only that pointer.
+        self.arg_cells = {i: a._cell for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
+        self.params = run_params(self.nodes)
+        self.param_snaps = [_snapshot(p) for p in self.params]
+        self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
+                            for n in self.nodes for _ in n.params]  # fmt: skip
+        self.watched: tuple[list, list] = ([], [])
+        self.state: tuple = ()
+
+    def _not(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+    def source(self, vid: int) -> Source | None:
+        if vid in self.arg_of:
+            return self.arg_of[vid]
+        return self.start.get(vid)
+
+    def note_effects(self, result: Any) -> None:
+        """Which pointers the call rebound, attached (`.grad`) and returned, by value id."""
+        client, values = self.client, self.client.graph.values
+        new_cells = {id(cell): cell for cell in client.live.values()
+                     if id(cell) not in self.start_vid}  # fmt: skip
+        accounted: set[int] = set()
+        self.rebinds: list[tuple[Source, int, TensorMeta | None]] = []
+        self.grads: list[tuple[Source, int]] = []
+        for vid0, cell in self.start.items():
+            if cell.vid != vid0 and cell.vid is not None:
+                if cell.vid not in self.produced:
+                    self._not(f"a pointer now names %{cell.vid}, which the step did not make")
+                    continue
+                meta = values[cell.vid].meta
+                reshaped = meta if meta != self.info.get(vid0, (meta,))[0] else None
+                self.rebinds.append((self.source(vid0), cell.vid, reshaped))
+            p = cell.ref() if cell.ref is not None else None
+            if p is not None and p.is_leaf and p.requires_grad:
+                g = p.grad
+                if isinstance(g, RemoteTensor) and id(g._cell) in new_cells:
+                    self.grads.append((self.source(vid0), g._vid))
+                    accounted.add(id(g._cell))
+        self.new_returns: list[int] = []
+        self.returns = self._template(result, new_cells, accounted)
+        for key in new_cells:
+            if key not in accounted:
+                self._not(
+                    "the step leaves new pointers that it neither returns nor sets as a .grad "
+                    "(state created on a first step, or pointers kept in Python objects)"
+                )
+        for _, vid, _ in self.rebinds:
+            if vid not in self.produced:
+                self._not("a pointer names a value the step did not make")
+
+    def _template(self, obj: Any, new_cells: dict, accounted: set[int]) -> Any:
+        if isinstance(obj, RemoteTensor):
+            cell = getattr(obj, "_cell", None)
+            if obj._owner is not self.client or cell is None:
+                self._not("the step returns a pointer of another grid")
+            elif id(cell) in new_cells and obj._vid in self.produced:
+                accounted.add(id(cell))
+                self.new_returns.append(obj._vid)
+                return ("new", len(self.new_returns) - 1)
+            elif id(cell) in self.start_vid:
+                return ("old", self.source(self.start_vid[id(cell)]))
+            else:
+                self._not("the step returns a pointer it did not make")
+            return None
+        if isinstance(obj, torch.Tensor):
+            self._not("the step returns a local tensor")
+            return None
+        if isinstance(obj, (tuple, list)):
+            return (type(obj), tuple(self._template(x, new_cells, accounted) for x in obj))
+        if isinstance(obj, dict):
+            items = tuple((k, self._template(v, new_cells, accounted)) for k, v in obj.items())
+            return (dict, items)
+        if obj is None or type(obj) in (bool, int, float, str):
+            return ("value", obj)
+        self._not(f"the step returns a {type(obj).__name__}")
+        return None
+
+    def run(self) -> None:
+        """Run the whole step as one plan; note its slots, and what each slot becomes."""
+        client = self.client
+        fetch = [v for v in self.new_returns if self.info[v][0].nbytes <= PREFETCH_BYTES]
+        with client._lock:
+            plan, replies = client._execute(set(client.graph.pending), fetch=fetch)
+            slots = list(client.last_slots)
+        self.plan: Plan = plan
+        for reply in replies.values():
+            for slot, tensor in reply.get("returns", ()):
+                client.prefetched[slots[slot]] = tensor
+        values = client.graph.values
+        slot_of = {v: s for s, v in enumerate(slots)}
+        self.n_slots = len(slots)
+        worker_of = {v: w for n, w in zip(self.nodes, plan.node_workers) for v in n.outputs}
+        first_with: dict[int, int] = {}  # storage -> first slot on it
+        # (slot, source, (meta, location, first slot on its storage)) of each external input.
+        self.inputs: list[tuple[int, Source, tuple]] = []
+        # (slot, meta, first slot on its storage, worker) of each value the step makes.
+        self.outputs: list[tuple[int, TensorMeta, int, str]] = []
+        self.where: dict[int, str] = {}
+        for s, vid in enumerate(slots):
+            meta, location, storage = self.info[vid]
+            first = first_with.setdefault(storage, s)
+            if vid in self.produced:
+                self.outputs.append((s, meta, first, worker_of[vid]))
+                self.where[s] = self.produced[vid].meta.get("where", "<unknown>")
+            else:
+                source = self.source(vid)
+                if source is None:
+                    self._not(f"the step reads %{vid}, which no pointer names")
+                self.inputs.append((s, source, (meta, location, first)))
+        self.kept = frozenset(s for s, v in enumerate(slots) if v in values)
+        self.rebinds = [(src, slot_of[v], m) for src, v, m in self.rebinds if v in slot_of]
+        self.grads = [(src, slot_of[v]) for src, v in self.grads if v in slot_of]
+        self.new_returns = [slot_of.get(v, -1) for v in self.new_returns]
+        self.prefetch = [slot_of[v] for v in fetch]
+        self.effects = (tuple(self.rebinds), tuple(self.grads), self.returns,
+                        tuple(self.new_returns), tuple(self.prefetch))  # fmt: skip
+        if -1 in self.new_returns:
+            self._not("the step returns a value its run did not make")
+        # Keep no Node objects, nor the cells of every pointer of the start.
+        self.nodes = self.produced = self.info = self.start = self.start_vid = None
+
+
+def _same_step(a: _Recording, b: _Recording) -> bool:
+    """Whether two recordings ran the same plan with the same effects (replayable pair)."""
+    return (
+        a.reason is None
+        and b.reason is None
+        and a.client is b.client
+        and a.plan.id == b.plan.id
+        and a.kept == b.kept
+        and [(s, src) for s, src, _ in a.inputs] == [(s, src) for s, src, _ in b.inputs]
+        and a.effects == b.effects
+        and [list(map(id, w)) for w in a.watched] == [list(map(id, w)) for w in b.watched]
+        and a.state == b.state
+        and [type(p) for p in a.params] == [type(p) for p in b.params]
+    )
+
+
+class _Replay:
+    """A recorded step ready to run again with new arguments and the pointers' new values."""
+
+    def __init__(self, previous: _Recording, rec: _Recording, name: str) -> None:
+        self.rec = rec
+        self.params = list(rec.params)
+        # Parameters taken from the call's arguments: (param index, argument index, tensor?).
+        self.from_args: list[tuple[int, int, bool]] = []
+        changed = {i for i, (a, b) in enumerate(zip(previous.args, rec.args))
+                   if a is not None and not _same(a, b)}  # fmt: skip
+        used: set[int] = set()
+        for k, (before, now) in enumerate(zip(previous.param_snaps, rec.param_snaps)):
+            src = next(
+                (i for i in sorted(changed)
+                 if _same(rec.args[i], now) and _same(previous.args[i], before)),
+                None,
+            )  # fmt: skip
+            if src is not None:
+                self.from_args.append((k, src, isinstance(rec.params[k], torch.Tensor)))
+                used.add(src)
+            elif not _same(before, now):
+                op, where = rec.param_where[k]
+                raise GridError(
+                    f"gg.compile({name}): {op} recorded at {where} takes {_show(now)}, which "
+                    f"was {_show(before)} on the previous call and is not an argument of "
+                    f"{name}: a replay would reuse a stale value. Pass the value the op takes "
+                    "as an argument (for example a learning rate or a scale), or keep it "
+                    "constant. torch.optim.Adam computes its bias correction from a step "
+                    "counter in Python: it cannot be replayed; SGD (with momentum) can."
+                )
+        # Float and tensor arguments the ops do not take as they are: frozen.
+        self.fixed = [(i, rec.args[i]) for i, a in enumerate(rec.args)
+                      if a is not None and i not in used]  # fmt: skip
+        self.same_pointers = [(i, cell) for i, cell in rec.arg_cells.items()
+                              if previous.arg_cells.get(i) is cell]  # fmt: skip
+
+    def matches(self, flat: list) -> bool:
+        """The checks that need no lock: grid open, Python state, frozen arguments."""
+        rec = self.rec
+        if rec.client.closed:
+            raise GridError("this grid is closed")
+        for i, cell in self.same_pointers:
+            if flat[i]._cell is not cell:
+                return False
+        for i, snap in self.fixed:
+            if not _same(snap, _snapshot(flat[i])):
+                return False
+        return _state(rec.watched) == rec.state
+
+    def run(self, flat: list) -> Any:
+        """Replay the step, or `_MISS` when its external inputs are not as recorded."""
+        rec, client = self.rec, self.rec.client
+        with client._lock:
+            client._collect_dead()
+            if client.graph.pending:
+                client.compute_all()
+            client.prefetched.clear()
+            values, live, failed = client.graph.values, client.live, client.failed
+            slots = [0] * rec.n_slots
+            storage_at: dict[int, int] = {}
+            first_on: dict[int, int] = {}  # storage -> first slot on it
+            for s, src, (meta, location, first) in rec.inputs:
+                cell = flat[src]._cell if type(src) is int else src
+                vid = cell.vid
+                value = values.get(vid)
+                if (
+                    live.get(vid) is not cell
+                    or value is None
+                    or value.meta != meta
+                    or value.location != location
+                    or first_on.setdefault(value.storage, s) != first
+                ):
+                    return _MISS
+                if vid in failed:
+                    raise failed[vid]
+                slots[s] = vid
+                storage_at[s] = value.storage
+            new_id = client.graph.new_id
+            for s, _, first, _ in rec.outputs:
+                vid = slots[s] = new_id()
+                storage_at[s] = vid if first == s else storage_at[first]
+            params = list(self.params)
+            for k, i, is_tensor in self.from_args:
+                params[k] = as_sent(flat[i]) if is_tensor else flat[i]
+            try:
+                replies = client._run_plan(rec.plan, slots, params, rec.where)
+            except (RemoteError, WorkerLost) as e:
+                self._settle(flat, slots, storage_at, e)
+                raise
+            client.last_plan, client.last_slots = rec.plan, slots
+            result = self._settle(flat, slots, storage_at, None)
+            for reply in replies.values():
+                for slot, tensor in reply.get("returns", ()):
+                    client.prefetched[slots[slot]] = tensor
+            return result
+
+    def _settle(self, flat: list, slots: list[int], storage_at: dict, error: Exception | None):
+        """Leave the client as the recorded call did: values known, pointers rebound and
+        attached. After a failed run the step's values are failed ones, as a traced step's."""
+        rec, client = self.rec, self.rec.client
+        graph, live = client.graph, client.live
+        for s, meta, _, worker in rec.outputs:
+            if s in rec.kept:
+                vid = slots[s]
+                graph.add_value(meta, storage=storage_at[s], vid=vid,
+                                location=None if error else worker)  # fmt: skip
+                if error is not None:
+                    client.failed[vid] = error
+        for s, _, (_, location, _) in rec.inputs:
+            if s not in rec.kept:
+                graph.values.pop(slots[s], None)
+                if error is not None and location is not None:
+                    client.frees[location].append(slots[s])
+        for src, s, reshaped in rec.rebinds:
+            cell = flat[src]._cell if type(src) is int else src
+            if live.get(cell.vid) is cell:
+                del live[cell.vid]
+            cell.vid = slots[s]
+            live[cell.vid] = cell
+            p = cell.ref()
+            if p is not None:
+                p._vid = cell.vid
+                if reshaped is not None:
+                    p._set_meta(reshaped)
+        made: dict[int, RemoteTensor] = {}
+        for src, s in rec.grads:
+            leaf = flat[src] if type(src) is int else src.ref()
+            made[s] = client.make_pointer(slots[s])
+            if leaf is not None:
+                leaf.grad = made[s]
+        if error is not None:
+            return None
+        for s in rec.new_returns:
+            if s not in made:  # a pointer returned twice is one pointer
+                made[s] = client.make_pointer(slots[s])
+        return _build(rec.returns, [made[s] for s in rec.new_returns], flat)
+
+
+def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:
+    kind, body = template
+    if kind == "new":
+        return news[body]
+    if kind == "old":
+        return flat[body] if type(body) is int else body.ref()
+    if kind == "value":
+        return body
+    if kind is dict:
+        return {k: _build(v, news, flat) for k, v in body}
+    return kind(_build(x, news, flat) for x in body)
+
+
+# --- guards and snapshots -------------------------------------------------------------------
+
+
+def _guard(a: Any) -> Any:
+    """What of an argument a recording depends on (its value only where it shapes the ops)."""
+    t = type(a)
+    if isinstance(a, RemoteTensor):
+        value = a._owner.graph.values.get(a._vid)
+        where = (value.meta, value.location) if value is not None else (TensorMeta.of(a), None)
+        return (t, id(a._owner), *where, a.requires_grad)
+    if isinstance(a, torch.Tensor):
+        return (torch.Tensor, TensorMeta.of(a), a.requires_grad)
+    if t is float:
+        return float
+    if t in (int, bool, str, complex) or a is None:
+        return (t, a)
+    if isinstance(a, (tuple, list)):
+        return (t, *[_guard(x) if type(x) is not float else (float, x) for x in a])
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return a
+    return (t, id(a))
+
+
+def _aliases(flat: list) -> tuple[int, ...]:
+    """For each pointer argument, the first argument naming the same value."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(a._vid, i) for i, a in enumerate(flat)
+                 if isinstance(a, RemoteTensor))  # fmt: skip
+
+
+class _Snap:
+    """A local tensor's value at a call (a copy): what a recording compares."""
+
+    __slots__ = ("meta", "values")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        sent = as_sent(t)
+        self.meta = TensorMeta.of(sent)
+        self.values = sent.clone()
+
+
+def _snapshot(a: Any) -> Any:
+    """A float (itself) or local tensor (a copy) that may reach an op; else None."""
+    if type(a) is float:
+        return a
+    if isinstance(a, torch.Tensor) and not isinstance(a, RemoteTensor):
+        return _Snap(a)
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of two snapshots (floats: -0.0 is not 0.0, NaN is NaN)."""
+    if type(a) is float and type(b) is float:
+        if a != a or b != b:
+            return a != a and b != b
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if type(a) is _Snap and type(b) is _Snap:
+        return a.meta == b.meta and torch.equal(a.values, b.values)
+    return False
+
+
+def _show(snap: Any) -> str:
+    if type(snap) is _Snap:
+        return f"a local tensor of shape {tuple(snap.meta.shape)}"
+    return repr(snap)
+
+
+def _state(watched: tuple[list, list]) -> tuple:
+    """The Python state a step's ops depend on that we can see: modules' train/eval mode,
+    and each optimizer's hyperparameters (an LR scheduler changes `lr`)."""
+    modules, optimizers = watched
+    groups = tuple(
+        tuple((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))
+        + (len(g["params"]),)
+        for o in optimizers
+        for g in o.param_groups
+    )
+    return tuple(m.training for m in modules), groups
