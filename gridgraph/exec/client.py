@@ -181,8 +181,9 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self._check_open()
+        values = self.graph.values
         for vid in node.outputs:
-            dtype = self.graph.values[vid].meta.dtype
+            dtype = values[vid].meta.dtype
             if dtype not in SENDABLE_DTYPES:
                 raise RecordError(
                     f"{node.name} makes a tensor of dtype {dtype}, which workers cannot hold "
