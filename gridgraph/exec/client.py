@@ -193,8 +193,9 @@ class Client:
         self._check_open()
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage
+        values = self.graph.values
         for vid in node.outputs:
-            dtype = self.graph.values[vid].meta.dtype
+            dtype = values[vid].meta.dtype
             if dtype not in SENDABLE_DTYPES:
                 raise RecordError(
                     f"{node.name} makes a tensor of dtype {dtype}, which workers cannot hold "

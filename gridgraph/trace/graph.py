@@ -150,11 +150,18 @@ class Graph:
         return g
 
     def add_value(
-        self, meta: TensorMeta, storage: int | None = None, vid: int | None = None, **kw: Any
+        self,
+        meta: TensorMeta,
+        storage: int | None = None,
+        vid: int | None = None,
+        producer: int | None = None,
+        location: str | None = None,
     ) -> Value:
-        vid = self.new_id() if vid is None else vid
-        value = Value(vid, meta, vid if storage is None else storage, **kw)
-        self.values[vid] = value
+        """A new value (a fresh id unless `vid`), on its own storage unless `storage`."""
+        vid = next(self._ids) if vid is None else vid
+        value = self.values[vid] = Value(
+            vid, meta, vid if storage is None else storage, producer, location
+        )
         return value
 
     def add(self, node: Node) -> None:

@@ -1,9 +1,10 @@
 """Tensor metadata and shape inference on the meta device.
 
 Recording an op must tell the user the shape, strides and dtype of its result without running
-it. We run the op on meta tensors (PyTorch's shape-only device) once per distinct
-(op, argument metadata) and cache what comes out, so recording a training step for the second
-time costs a dictionary look-up per op.
+it. We run the op on meta tensors (PyTorch's shape-only device); the recorder runs `infer` once
+per distinct (op, argument metadata) and caches what comes out with the rest of what it derives
+from the call (`record.Recipe`), so recording a training step for the second time costs a
+dictionary look-up per op.
 
 Ops whose output shape depends on the data (nonzero, unique, masked_select, ...) have no meta
 kernel; `infer` raises `DataDependent` for them and the recorder runs them for real. So do ops
@@ -94,16 +95,8 @@ class OutputSpec(NamedTuple):
     metas: tuple[TensorMeta | None, ...]
 
 
-_cache: dict[Any, OutputSpec] = {}
-
-
-def infer(op: torch._ops.OpOverload, key: Any, make_args) -> OutputSpec:
-    """Output metadata of `op`; `key` identifies the inputs' metadata, `make_args()` builds
-    (args, kwargs) on the meta device on a cache miss."""
-    spec = _cache.get(key)
-    if spec is not None:
-        return spec
-    args, kwargs = make_args()
+def infer(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> OutputSpec:
+    """Output metadata of `op` run on these meta-device arguments."""
     try:
         out = op(*args, **kwargs)
     except NotImplementedError as e:
@@ -113,9 +106,7 @@ def infer(op: torch._ops.OpOverload, key: Any, make_args) -> OutputSpec:
         # A meta kernel that reads values (.item(), indices it wants on the CPU), or a
         # mistake in the call that running it for real reports as torch would.
         raise DataDependent(str(e), e) from e
-    spec = _spec_of(out)
-    _cache[key] = spec
-    return spec
+    return _spec_of(out)
 
 
 def _spec_of(out: Any) -> OutputSpec:

@@ -19,6 +19,9 @@ import torch
 from gridgraph.trace.meta import TensorMeta
 from gridgraph.trace.record import record
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_CPU = torch.device("cpu")  # a device object, not a string parsed per pointer
+
 
 class RemoteTensor(torch.Tensor):
     """A torch.Tensor whose data lives on a worker; ops on it are recorded, not run."""
@@ -30,16 +33,17 @@ class RemoteTensor(torch.Tensor):
     def __new__(cls, owner: Any, value_id: int, meta: TensorMeta, requires_grad: bool = False):
         if cls is RemoteTensor and meta.dtype in _INDEX_DTYPES:
             cls = IndexPointer
-        t = torch.Tensor._make_wrapper_subclass(
+        t = _make_wrapper(
             cls,
             meta.shape,
             strides=meta.stride,
             storage_offset=meta.offset,
             dtype=meta.dtype,
-            device="cpu",
+            device=_CPU,
             requires_grad=requires_grad,
         )
-        meta.mark(t)
+        if meta.bits:
+            meta.mark(t)
         t._owner = owner
         t._vid = value_id
         return t

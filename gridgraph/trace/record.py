@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from gridgraph.trace.pointer import RemoteTensor
 
 aten = torch.ops.aten
+_LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
 
 
 class Owner(Protocol):
@@ -182,18 +183,87 @@ def arg_at(args: tuple, kwargs: dict, alias: Aliasing, index: int) -> tuple[Any,
     return name, kwargs.get(name)
 
 
+# --- what recording derives from an op and its inputs' metadata, once ------------------------
+
+
+class Recipe:
+    """What recording derives from one op and its inputs' metadata (a call key): the
+    workers' verdict on the op, its aliasing, its output metadata and its signature.
+
+    Cached per call key, so recording a step again costs one dictionary look-up per op, not
+    a schema walk and a run on the meta device. `refused` says why workers would not run the
+    op (then `decomposed` is torch's own decomposition, or None); else `spec` is its output
+    metadata and `sigs` its interned signature per pin (`on` block).
+
+    How the outputs are built: an op that writes nothing has `views`, per output the
+    positional argument it views (a remote tensor) or None for a fresh tensor; an op that
+    writes its first argument and returns it (`add_`) has `in_place`; the rest (other
+    writes, views of local tensors) take the general path."""
+
+    __slots__ = (
+        "op", "refused", "decomposed", "alias", "spec", "sigs", "checks_layout",
+        "views", "in_place",
+    )  # fmt: skip
+
+    def __init__(self, op: torch._ops.OpOverload, refused: str | None) -> None:
+        self.op = op  # held here, so that the op's id in the key stays this op's
+        self.refused = refused
+        self.decomposed = decomposition(op) if refused is not None else None
+        self.alias = aliasing(op)
+        self.spec: OutputSpec | None = None
+        self.sigs: dict[str | None, int] = {}
+        self.checks_layout = op in _SET_LAYOUT
+        self.views: tuple[int | None, ...] | None = None
+        self.in_place = False
+
+    def set_spec(self, spec: OutputSpec, t_args: tuple) -> None:
+        """Take the output metadata, and choose how outputs are built for calls whose
+        template has the structure of `t_args` (the call key fixes it)."""
+        self.spec = spec
+        alias = self.alias
+        returns = [alias.returns[min(i, len(alias.returns) - 1)] for i in range(len(spec.metas))]
+        positional_ref = {i for i, a in enumerate(t_args) if type(a) is Ref}
+        if not alias.written and not any(is_write for _, is_write in returns):
+            if all(src is None or src in positional_ref for src, _ in returns):
+                self.views = tuple(src for src, _ in returns)
+        elif alias.written == [0] and returns == [(0, True)] and spec.kind == "tensor":
+            self.in_place = 0 in positional_ref
+
+    def sig(self, pin: str | None, key: list[Any]) -> int:
+        """The interned signature of a call with this recipe, pinned to `pin`."""
+        sig = self.sigs.get(pin)
+        if sig is None:
+            sig = self.sigs[pin] = _intern((self.op, pin, self.spec, *key))
+        return sig
+
+
+# Call key (op id, float arguments, the walk's key) -> Recipe.
+_recipes: dict[tuple, Recipe] = {}
+_signatures: dict[tuple, int] = {}
+
+
+def _intern(signature: tuple) -> int:
+    """A small int per distinct signature: the plan cache hashes hundreds of these per step."""
+    return _signatures.setdefault(signature, len(_signatures))
+
+
 # --- the recording itself -------------------------------------------------------------------
 
 
 class _Walk:
-    """One walk over a call's arguments: the template, the metadata key, the owner, and the
-    parameters (floats and local tensors: what may change between runs of one plan)."""
+    """One walk over a call's arguments: the template, the metadata key, the owner, the
+    remote inputs, and the parameters (floats and local tensors: what may change between
+    runs of one plan)."""
+
+    __slots__ = ("pointer_type", "owner", "key", "params", "floats", "inputs")
 
     def __init__(self, pointer_type: type) -> None:
         self.pointer_type = pointer_type
         self.owner: Owner | None = None
         self.key: list[Any] = []
         self.params: list[Any] = []
+        self.floats: list[float] = []  # part of the call key: they may shape the output
+        self.inputs: list[int] = []  # value ids of the remote tensors, in argument order
 
     def convert(self, a: Any) -> Any:
         if isinstance(a, self.pointer_type):
@@ -202,9 +272,10 @@ class _Walk:
                 self.owner = owner
             elif owner is not self.owner:
                 raise RecordError("one op mixes pointers from two different grids")
-            value = owner.graph.values[a._vid]
-            self.key.append(value.meta)
-            return Ref(a._vid)
+            vid = a._vid
+            self.key.append(owner.graph.values[vid].meta)
+            self.inputs.append(vid)
+            return Ref(vid)
         if isinstance(a, torch.Tensor):
             if a.device.type != "cpu":
                 raise RecordError(
@@ -233,6 +304,7 @@ class _Walk:
         if type(a) is float:
             self.key.append(float)
             self.params.append(a)
+            self.floats.append(a)
             return a
         self.key.append((type(a), a))
         return a
@@ -251,69 +323,148 @@ def to_meta(template: Any, graph: Graph) -> Any:
     return template
 
 
+def _prepare(op, call_key: tuple, owner: Owner, t_args: tuple, t_kwargs: dict, args, kwargs):
+    """The recipe of a call not seen before; cached unless the op is data-dependent."""
+    recipe = Recipe(op, owner.refusal(op))
+    if recipe.refused is not None:
+        _recipes[call_key] = recipe
+        return recipe
+    graph = owner.graph
+    if recipe.checks_layout and type(t_args[0]) is Ref:
+        _check_inside_storage(graph, t_args[0].value, args, kwargs)  # before meta's error
+    try:
+        spec = infer(
+            op,
+            [to_meta(a, graph) for a in t_args],
+            {k: to_meta(v, graph) for k, v in t_kwargs.items()},
+        )
+    except DataDependent as e:
+        if e.error is not None and recipe.alias.aliases:
+            raise e.error from None  # a view or in-place op failing on meta: a wrong call
+        return recipe  # no spec: the op must run to be known, every time
+    recipe.set_spec(spec, t_args)
+    _recipes[call_key] = recipe
+    return recipe
+
+
 def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: type) -> Any:
     """Record one ATen call; return what torch would return (pointers in place of tensors)."""
-    if op is aten._local_scalar_dense.default:  # .item(), bool(p), int(p): a sync point
+    if op is _LOCAL_SCALAR_DENSE:  # .item(), bool(p), int(p): a sync point
         p = args[0]
         return p._owner.fetch(p._vid).item()
 
     walk = _Walk(pointer_type)
     t_args = tuple([walk.convert(a) for a in args])
-    walk.key.append("|")
+    key = walk.key
+    key.append("|")
     t_kwargs = {}
     for k, v in kwargs.items():
-        walk.key.append(k)  # torch leaves out kwargs equal to their default: names count
+        key.append(k)  # torch leaves out kwargs equal to their default: names count
         t_kwargs[k] = walk.convert(v)
     owner = walk.owner
     assert owner is not None, "dispatch reached gridgraph without a pointer argument"
-    refused = owner.refusal(op)
-    if refused is not None:
-        decomposed = decomposition(op)
-        if decomposed is None:
-            raise RecordError(f"{op_name(op)} cannot run on a worker: {refused}")
-        return decomposed(*args, **kwargs)  # its ops come back here, one by one
+
+    # id(op): an OpOverload hashes in Python; the recipe holds the op, so its id is unique.
+    call_key = (id(op), tuple(walk.floats), *key)
+    recipe = _recipes.get(call_key)
+    if recipe is None:
+        recipe = _prepare(op, call_key, owner, t_args, t_kwargs, args, kwargs)
+    elif recipe.checks_layout and type(t_args[0]) is Ref:
+        _check_inside_storage(owner.graph, t_args[0].value, args, kwargs)
+    if recipe.refused is not None:
+        if recipe.decomposed is None:
+            raise RecordError(f"{op_name(op)} cannot run on a worker: {recipe.refused}")
+        return recipe.decomposed(*args, **kwargs)  # its ops come back here, one by one
+
     graph = owner.graph
-    alias = aliasing(op)
-    if op in _SET_LAYOUT and type(t_args[0]) is Ref:
-        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
-        _check_inside_storage(graph, t_args[0].value, args[1], args[2], offset)
-
-    try:
-        floats = tuple(p for p in walk.params if type(p) is float)  # rarely shape-relevant
-        spec: OutputSpec | None = infer(
-            op,
-            (op, floats, *walk.key),
-            lambda: (
-                to_meta(list(t_args), graph),
-                {k: to_meta(v, graph) for k, v in t_kwargs.items()},
-            ),
-        )
-    except DataDependent as e:
-        if e.error is not None and alias.aliases:
-            raise e.error from None  # a view or in-place op failing on meta: a wrong call
-        spec = None
-
-    where = user_frame()
-    node = Node(
-        id=graph.new_id(),
-        op=op,
-        args=t_args,
-        kwargs=t_kwargs,
-        outputs=(),
-        returns="",
-        n_returns=0,
-        writes=_writes(args, kwargs, t_args, t_kwargs, alias),
-        meta={"where": where},
-        params=tuple(walk.params),
-    )
+    spec = recipe.spec
     pin = pinned()
-    if pin is not None:
-        node.meta["pin"] = pin
-    # Interned to a small int: the plan cache hashes hundreds of these per step.
-    node.sig = _signatures.setdefault((op, pin, spec, *walk.key), len(_signatures))
+    node = Node(
+        graph.new_id(),
+        op,
+        t_args,
+        t_kwargs,
+        (),
+        "" if spec is None else spec.kind,
+        0,
+        () if not recipe.alias.written else _writes(t_args, t_kwargs, recipe.alias),
+        {"where": user_frame()} if pin is None else {"where": user_frame(), "pin": pin},
+        (),
+        recipe.sig(pin, key),
+        tuple(walk.params),
+        tuple(walk.inputs),
+    )
     if spec is None:
-        return _record_data_dependent(owner, node, args, kwargs, alias)
+        return _record_data_dependent(owner, node)
+    if recipe.views is not None:
+        return _record_fresh_or_view(owner, node, spec, recipe.views)
+    if recipe.in_place:
+        return _record_in_place(owner, node, spec.metas[0], args[0])
+    return _record_aliasing(owner, node, spec, recipe.alias, args, kwargs, pointer_type)
 
+
+def _record_fresh_or_view(
+    owner: Owner, node: Node, spec: OutputSpec, views: tuple[int | None, ...]
+) -> Any:
+    """Record an op that writes nothing: each output is a fresh tensor, or a view of the
+    remote tensor at its positional argument in `views` (same storage)."""
+    graph = owner.graph
+    values = graph.values
+    nid = node.id
+    vids: list[int | None] = []
+    for meta, src in zip(spec.metas, views):
+        if meta is None:  # the op returned no tensor here
+            vids.append(None)
+        else:
+            storage = None if src is None else values[node.args[src].value].storage
+            vids.append(graph.add_value(meta, storage, producer=nid).id)
+    node.outputs = tuple([v for v in vids if v is not None])
+    node.n_returns = len(node.outputs)
+    out = [None if v is None else owner.make_pointer(v) for v in vids]
+    try:
+        owner.record(node, eager=not tracing())
+    except (PlacementError, RecordError):
+        owner.discard(node)
+        raise
+    return out[0] if spec.kind == "tensor" else _structure(spec.kind, out)
+
+
+def _record_in_place(owner: Owner, node: Node, meta: TensorMeta, pointer: Any) -> Any:
+    """Record an op that writes its first argument and returns it (`add_`, `t_`): the
+    pointer names the new version, with the layout the op gave it."""
+    graph = owner.graph
+    before = graph.values[pointer._vid]
+    value = graph.add_value(meta, before.storage, producer=node.id)
+    node.outputs = (value.id,)
+    node.n_returns = 1
+    owner.rebind(pointer, value.id)
+    shaped_before = None
+    if meta != before.meta:  # transpose_, squeeze_, resize_ ...
+        shaped_before = TensorMeta.of(pointer)
+        pointer._set_meta(meta)
+    try:
+        owner.record(node, eager=not tracing())
+    except (PlacementError, RecordError):
+        # Nothing ran: leave the pointer naming what it named before the call.
+        owner.rebind(pointer, before.id)
+        if shaped_before is not None:
+            pointer._set_meta(shaped_before)
+        owner.discard(node)
+        raise
+    return pointer
+
+
+def _record_aliasing(
+    owner: Owner,
+    node: Node,
+    spec: OutputSpec,
+    alias: Aliasing,
+    args: tuple,
+    kwargs: dict,
+    pointer_type: type,
+) -> Any:
+    """Record a view or an in-place op: outputs share storages, written pointers rebind."""
+    graph = owner.graph
     results: list[Any] = []
     outputs: list[int] = []
     covered_writes: set[Any] = set()
@@ -331,7 +482,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
             base = arg[i] if isinstance(arg, (list, tuple)) and is_write else arg
             if not isinstance(base, pointer_type):
                 raise RecordError(
-                    f"{op} writes to or views a local tensor using remote data; "
+                    f"{node.op} writes to or views a local tensor using remote data; "
                     "send that tensor to a worker first"
                 )
             storage = graph.values[base._vid].storage
@@ -344,7 +495,6 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
             else:
                 results.append(value.id)
         outputs.append(value.id)
-    node.returns = spec.kind
     node.n_returns = len(outputs)
     # New versions of written arguments that the op does not return.
     rebinds: list[tuple[Any, int]] = []
@@ -409,15 +559,16 @@ def decomposition(op: torch._ops.OpOverload) -> Any:
 _SET_LAYOUT = (aten.as_strided.default, aten.as_strided_.default)
 
 
-def _check_inside_storage(graph: Graph, vid: int, size: Any, stride: Any, offset=None) -> None:
+def _check_inside_storage(graph: Graph, vid: int, args: tuple, kwargs: dict) -> None:
     """Raise torch's error, at the call, for a layout reaching past the tensor's storage.
 
     The storage's size is the largest extent of any value recorded on it (a sent or computed
     tensor covers its storage), so a traced `as_strided` is refused as eagerly as torch
     refuses it, even when nothing ever runs it (a gradient that needs only its shape)."""
     value = graph.values[vid]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
     offset = value.meta.offset if offset is None else offset
-    size, stride = list(size), list(stride)
+    size, stride = list(args[1]), list(args[2])
     if 0 in size or len(size) != len(stride):
         return
     extent = max(_extent(v.meta) for v in graph.values.values() if v.storage == value.storage)
@@ -438,7 +589,7 @@ def _extent(meta: TensorMeta) -> int:
     return meta.offset + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) + 1
 
 
-def _writes(args, kwargs, t_args, t_kwargs, alias: Aliasing) -> tuple[tuple[Any, int], ...]:
+def _writes(t_args: tuple, t_kwargs: dict, alias: Aliasing) -> tuple[tuple[Any, int], ...]:
     """(path, value id) of every remote tensor the op writes, before the write."""
     found = []
     for index in alias.written:
@@ -470,14 +621,11 @@ def _structure(kind: str, out: list[Any]) -> Any:
     return None
 
 
-_signatures: dict[tuple, int] = {}
-
-
 # How many value ids to set aside for a data-dependent op's outputs before we know them.
 _DYNAMIC_SLOTS = 8
 
 
-def _record_data_dependent(owner: Owner, node: Node, args, kwargs, alias: Aliasing) -> Any:
+def _record_data_dependent(owner: Owner, node: Node) -> Any:
     """Run an op whose output shape depends on data now (with what it needs), then go on."""
     if node.writes:
         raise RecordError(f"{node.name} writes its inputs and has data-dependent output")
