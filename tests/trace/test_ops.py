@@ -285,6 +285,31 @@ def test_keyword_arguments_are_told_apart(local_grid, traced):
 
 
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_one_op_on_inputs_that_differ_only_in_layout_or_scalars(local_grid, traced):
+    """Recording caches what it derives per op and input metadata (output shape, strides,
+    aliasing): a call whose inputs differ only in strides, offset, dtype, an int or a float
+    gets its own, so each result matches torch's, values and layout alike."""
+    base = r(4, 6)
+
+    def fn(a):
+        outs = []
+        for x in (a, a.t(), a[1:], a[:, 1:], a.double(), a[::2]):
+            outs += [x.sum(0), x.sum(1), x.clamp(-0.5, 0.5), x.clamp(-1.5, 1.5), x * 2, x.t()]
+            outs += [x.contiguous(), x.unsqueeze(0), torch.flatten(x.unsqueeze(1), 1, 2)]
+        return outs
+
+    for _ in range(2):  # the second time, every call finds its recipe cached
+        want = fn(base.clone())
+        a = gg.send(base.clone(), local_grid.workers[0])
+        with gg.trace() if traced else contextlib.nullcontext():
+            got = fn(a)
+        assert [(p.shape, p.stride(), p.dtype) for p in got] == [
+            (w.shape, w.stride(), w.dtype) for w in want
+        ]
+        torch.testing.assert_close(_get(got), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_batch_norm_updates_running_stats(grid, traced):
     x, mean, var = r(4, 3, 2, 2), torch.zeros(3), torch.ones(3)
     want = _batch_norm_running_stats(x, mean.clone(), var.clone())
