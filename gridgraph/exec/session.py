@@ -27,7 +27,8 @@ looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
 any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
-way just before they run. Every result is bounds-checked, the memory limit is checked after
+way just before they run, from footprints remembered per argument layout (a replayed step
+receives the same layouts every time). Both are cached; neither is skipped. Every result is bounds-checked, the memory limit is checked after
 every call (from running byte counts) and the time limit before every step. A run that fails
 undoes what it stored.
 """
@@ -77,6 +78,7 @@ class Host(Protocol):
 log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
+FOOTPRINTS_KEPT = 8  # per call step: footprints remembered, by its arguments' metadata
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
@@ -444,7 +446,7 @@ class CompiledCall:
     """
 
     __slots__ = ("name", "op", "run", "args", "kwargs", "fills", "outs", "writes", "report",
-                 "n_returns")  # fmt: skip
+                 "n_returns", "_footprints")  # fmt: skip
 
     def __init__(self, step: list) -> None:
         _, name, args, kwargs, outs, writes, report = step
@@ -459,6 +461,33 @@ class CompiledCall:
         self.kwargs = dict(kwargs)
         self.fills = [(i, _filler(a)) for i, a in enumerate(args) if _has_ref(a)]
         self.fills += [(k, _filler(a)) for k, a in kwargs.items() if _has_ref(a)]
+        # metadata of the arguments -> (new bytes, work) or None: see `footprint`
+        self._footprints: OrderedDict[tuple, tuple[int, float] | None] = OrderedDict()
+
+    def footprint(self, args: list, kwargs: dict) -> tuple[int, float] | None:
+        """(bytes of new storage, work) of this call on these arguments, from a run on meta
+        tensors (limits.op_footprint); None when meta cannot tell (data-dependent ops).
+
+        Remembered per argument metadata (the latest FOOTPRINTS_KEPT), since a replayed
+        step's steps that read transferred tensors see the same metadata every time and a
+        meta run costs more than most small ops do."""
+        try:  # (the constant arguments are the same every run: the filled ones tell)
+            key = tuple(
+                [_meta_key(args[w] if type(w) is int else kwargs[w]) for w, _ in self.fills]
+            )
+            found = self._footprints.get(key, False)
+        except TypeError:  # an argument that does not hash: work it out every time
+            key, found = None, False
+        if found is False:
+            meta_args = [_to_meta(a) for a in args]
+            meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
+            result = op_footprint(self.op, meta_args, meta_kw)
+            found = None if result is None else (sum(result[1].values()), result[2])
+            if key is not None:
+                self._footprints[key] = found
+                if len(self._footprints) > FOOTPRINTS_KEPT:
+                    self._footprints.popitem(last=False)
+        return found
 
     def arguments(self, value: Any, params: dict) -> tuple[list, dict]:
         """This call's (args, kwargs) for one run: `value(slot)` gives a slot's tensor."""
@@ -650,10 +679,9 @@ class Run:
 
     def call(self, call: CompiledCall, check: bool) -> list | None:
         name, outs, writes, report = call.name, call.outs, call.writes, call.report
-        op = call.op
         resolved, kw = call.arguments(self.value, self.params)
         if check:  # its inputs came during the run: check its footprint now, before it runs
-            self.check_footprint(op, name, resolved, kw)
+            self.check_footprint(call, resolved, kw)
         result = call.run(self.s.rng, resolved, kw)
         check_view(result)
         self.s.ops_run += 1
@@ -692,16 +720,14 @@ class Run:
             return [outs[0], kind, metas, []]
         return None
 
-    def check_footprint(self, op: Any, name: str, args: list, kwargs: dict) -> None:
-        meta_args = [_to_meta(a) for a in args]
-        meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
-        footprint = op_footprint(op, meta_args, meta_kw)
+    def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> None:
+        footprint = call.footprint(args, kwargs)
         if footprint is None:
             return  # data-dependent: its output is no larger than its input
-        _, made, work = footprint
+        made, work = footprint
         limits = self.w.limits
-        limits.check_memory(self.s.memory() + sum(made.values()), name)
-        limits.check_work(work, name)
+        limits.check_memory(self.s.memory() + made, call.name)
+        limits.check_work(work, call.name)
 
     def send(self, slots: list[int], dst: str) -> None:
         """Send the values in `slots` to worker `dst`, all in one transfer message."""
@@ -780,6 +806,16 @@ class Run:
                 "code": getattr(error, "code", None),
             },
         }
+
+
+def _meta_key(a: Any) -> Any:
+    """What of argument `a` an op's footprint depends on: a tensor's layout, not its data."""
+    if isinstance(a, torch.Tensor):
+        storage = a.untyped_storage().nbytes()
+        return (a.dtype, a.shape, a.stride(), a.storage_offset(), storage)
+    if type(a) is list or type(a) is tuple:
+        return tuple([_meta_key(x) for x in a])
+    return (type(a), a)
 
 
 def _to_meta(a: Any) -> Any:

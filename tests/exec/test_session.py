@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import hostile
 import torch
 from local_peer import Peer
 
@@ -143,3 +144,38 @@ def test_a_session_keeps_only_the_latest_replies_and_counts_their_bytes(monkeypa
     assert kept == [str(i) for i in latest]
     assert len(state.records) == 40
     assert state.memory() == sum(latest) + session.RECORD_BYTES * 40
+
+
+def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(monkeypatch):
+    # w0's mul reads what w1 sends, so its footprint is known only when the tensor comes:
+    # worked out on meta once per argument layout, then remembered, and still checked.
+    meta_runs = []
+    footprint = session.op_footprint
+    monkeypatch.setattr(session, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
+    square = [["recv", [0], "w1"], hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]),
+              ["return", 1]]  # fmt: skip
+    with gg.local_grid(2, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        small, big = torch.randn(16), torch.randn(150_000)  # 600 kB: its square is over
+        put = {"kind": "put", "values": [[1, small], [2, big]]}
+        assert peer.request("w1", put)["ok"]
+        state = grid.local_workers[0].sessions
+
+        def square_on_w0(run: int, vid: int, program: bool) -> dict:
+            rid = peer.send("w0", hostile.run(square, [vid, 100 + run], run_id=run,
+                                              plan=1, program=program))  # fmt: skip
+            sent = hostile.run([["send", [0], "w0"]], [vid], run_id=run, plan=2, program=program)
+            peer.send("w1", sent)
+            return peer.reply(rid)
+
+        for run in range(1, 4):
+            reply = square_on_w0(run, 1, program=run == 1)
+            assert reply["ok"], reply
+            assert torch.equal(reply["returns"][0][1], small * small)
+        assert len(meta_runs) == 1  # the same layout each time: one meta run
+        ops_run = state["mallory/s"].ops_run
+        reply = square_on_w0(4, 2, program=False)
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert reply["error"]["op"] == "aten::mul.Tensor"
+        assert state["mallory/s"].ops_run == ops_run  # refused before it ran
+        assert len(meta_runs) == 2  # a new layout: worked out anew
