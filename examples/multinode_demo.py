@@ -2,8 +2,9 @@
 
 Each worker holds one shard of a regression data set, as if three sites each kept their own
 data. A linear model is fitted by gradient descent: every step, each shard's gradient is
-computed on the worker that holds the shard (only the 8 weights travel there), the gradients
-meet on w0, which updates the weights. The raw data never leaves its node. The result is
+computed on the worker that holds the shard (`gg.on`: only the 8 weights travel there), the
+gradients meet on w0, which updates the weights. The raw data never leaves its node. The step
+is compiled (`gg.compile`): recorded twice, then replayed without re-recording. The result is
 checked against the same arithmetic in local torch.
 
     python examples/multinode_demo.py                     # own 3-node swarm + workers
@@ -36,21 +37,38 @@ def shards(n: int, rows: int = 2000, features: int = 8) -> tuple[list, list, tor
     return xs, ys, w_true
 
 
-def fit(xs: list, ys: list, w: torch.Tensor, steps: int, lr: float, report=None):
-    """Gradient descent on the mean squared error over all shards; the same code runs on
-    pointers (each shard's term where it lives) and on local tensors."""
+def make_step(xs: list, ys: list, lr: float, homes: list | None = None):
+    """One step of gradient descent on the mean squared error over all shards, `w -> new w`.
+
+    With `homes` (the worker holding each shard), each shard's gradient is computed there
+    (`gg.on`), so its rows never travel, and the step is compiled: recorded twice, then
+    replayed as one batch per call. Without, it is plain torch on local tensors."""
     total = sum(x.shape[0] for x in xs)
-    for step in range(steps):
-        with gg.trace():
-            grads = [x.T @ (x @ w - y) for x, y in zip(xs, ys)]
-            g = grads[0]
-            for other in grads[1:]:
-                g = g + other
-            w = w - (2 * lr / total) * g
-        if report is not None and (step % 10 == 0 or step == steps - 1):
+
+    def step(w):
+        grads = []
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            with gg.on(homes[i]) if homes else contextlib.nullcontext():
+                grads.append(x.T @ (x @ w - y))
+        g = grads[0]
+        for other in grads[1:]:
+            g = g + other
+        return w - (2 * lr / total) * g
+
+    return gg.compile(step) if homes else step
+
+
+def fit(xs: list, ys: list, w, steps: int, lr: float, homes=None, report=None):
+    """`steps` gradient steps; the same code runs on pointers (with `homes`) and on local
+    tensors."""
+    step = make_step(xs, ys, lr, homes)
+    total = sum(x.shape[0] for x in xs)
+    for i in range(steps):
+        w = step(w)
+        if report is not None and (i % 10 == 0 or i == steps - 1):
             with gg.trace():
                 loss = sum(((x @ w - y) ** 2).sum() for x, y in zip(xs, ys)) / total
-            report(step, loss.item())
+            report(i, loss.item())
     return w
 
 
@@ -76,6 +94,7 @@ def demo(grid: gg.Grid, steps: int) -> None:
         w,
         steps,
         lr=0.1,
+        homes=workers,
         report=lambda s, loss: print(f"  step {s:3d}  loss {loss:.6f}"),
     )
     fitted = w.get()
