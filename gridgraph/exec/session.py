@@ -28,9 +28,9 @@ the shapes of everything it creates are worked out on the meta device from the s
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
 any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
 way just before they run, from footprints remembered per argument layout (a replayed step
-receives the same layouts every time). Both are cached; neither is skipped. Every result is bounds-checked, the memory limit is checked after
-every call (from running byte counts) and the time limit before every step. A run that fails
-undoes what it stored.
+receives the same layouts every time). Both are cached; neither is skipped. Every result
+is bounds-checked, the memory limit is checked after every call (from running byte counts)
+and the time limit before every step. A run that fails undoes what it stored.
 """
 
 from __future__ import annotations
