@@ -19,7 +19,10 @@ import copy
 import time
 
 import torch
-import torch.nn.functional as F
+from bench_compile import train_step as small_mlp_step
+from bench_trace import mlp as wide_mlp
+from bench_trace import spread
+from bench_trace import step as wide_step
 from torch import nn
 
 import gridgraph as gg
@@ -49,14 +52,6 @@ class RunTimer:
 
     def __exit__(self, *exc: object) -> None:
         worker_session.Run.execute = self._execute
-
-
-def small_mlp_step(model, opt, x, y):
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
 
 
 def chain(x):
@@ -107,21 +102,6 @@ def chain_args(worker):
 # --- (b) a compute-bound step ----------------------------------------------------------------
 
 
-def wide_mlp(width: int, depth: int = 3) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-def train_step(model, opt, x, y):
-    opt.zero_grad()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss
-
-
 def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tuple[float, float]]:
     """(plain torch, gridgraph on 3 local workers) seconds per step, `repeats` times.
 
@@ -135,9 +115,7 @@ def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tup
         torch.manual_seed(0)
         local = wide_mlp(hidden)
         remote = copy.deepcopy(local)
-        linears = [m for m in remote if isinstance(m, nn.Linear)]
-        for i, layer in enumerate(linears):
-            layer.send(grid.workers[i * 3 // len(linears)])
+        spread(remote, grid)
         X, Y = torch.randn(batch, hidden), torch.randint(0, 10, (batch,))
         x, y = X.send(grid.workers[0]), Y.send(grid.workers[2])
         opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
@@ -145,12 +123,12 @@ def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tup
 
         def plain_steps():
             for _ in range(steps):
-                train_step(local, opt_l, X, Y).item()
+                wide_step(local, opt_l, X, Y).item()
 
         def remote_steps():
             for _ in range(steps):
                 with gg.trace():
-                    loss = train_step(remote, opt_r, x, y)
+                    loss = wide_step(remote, opt_r, x, y)
                 loss.item()
             grid.stats()  # every worker done
 
