@@ -7,9 +7,9 @@ Prints, measured side by side in one run:
       the worker) for a small MLP training step (13 -> 64 -> 1, batch 32, SGD) and for a
       chain of ops on a tiny tensor, next to plain torch's own time per ATen op for the same
       step in eager mode;
-  (b) wall time per step of a 1024-wide MLP (batch 512) spread over 3 local workers, next to
-      the same step in plain torch, as a ratio, `--repeats` times (blocks of `--steps`
-      steps, each block ending when every worker has finished).
+  (b) wall time per step of a 1024-wide MLP (batch 512) spread over 3 local workers, traced
+      and with `gg.compile`, next to the same step in plain torch, as ratios, `--repeats`
+      times (blocks of `--steps` steps, each block ending when every worker has finished).
 """
 
 from __future__ import annotations
@@ -102,47 +102,54 @@ def chain_args(worker):
 # --- (b) a compute-bound step ----------------------------------------------------------------
 
 
-def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tuple[float, float]]:
-    """(plain torch, gridgraph on 3 local workers) seconds per step, `repeats` times.
+def compute_bound(hidden: int, batch: int, steps: int, repeats: int) -> list[tuple[float, ...]]:
+    """(plain torch, traced, compiled) seconds per step on 3 local workers, `repeats` times.
 
-    Each measures `steps` steps of one, then `steps` of the other, alternating, so both see
-    the same machine load. A gridgraph block ends when every worker has finished (a stats
-    request queues behind each worker's runs): `loss.item()` returns once the loss is
-    computed, while the workers holding earlier layers still run the backward pass and
-    the optimizer step, which would otherwise overlap whatever is timed next.
+    Each measures `steps` steps of one, then of the next, in turn, so all see the same
+    machine load. A gridgraph block ends when every worker has finished (a stats request
+    queues behind each worker's runs): `loss.item()` returns once the loss is computed,
+    while the workers holding earlier layers still run the backward pass and the optimizer
+    step, which would otherwise overlap whatever is timed next.
     """
     with gg.local_grid(3) as grid:
         torch.manual_seed(0)
         local = wide_mlp(hidden)
-        remote = copy.deepcopy(local)
-        spread(remote, grid)
+        traced, compiled = copy.deepcopy(local), copy.deepcopy(local)
+        spread(traced, grid)
+        spread(compiled, grid)
         X, Y = torch.randn(batch, hidden), torch.randint(0, 10, (batch,))
         x, y = X.send(grid.workers[0]), Y.send(grid.workers[2])
         opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
-        opt_r = torch.optim.SGD(remote.parameters(), lr=0.01)
+        opt_t = torch.optim.SGD(traced.parameters(), lr=0.01)
+        opt_c = torch.optim.SGD(compiled.parameters(), lr=0.01)
+        compiled_step = gg.compile(lambda x, y: wide_step(compiled, opt_c, x, y))
 
         def plain_steps():
             for _ in range(steps):
                 wide_step(local, opt_l, X, Y).item()
 
-        def remote_steps():
+        def traced_steps():
             for _ in range(steps):
                 with gg.trace():
-                    loss = wide_step(remote, opt_r, x, y)
+                    loss = wide_step(traced, opt_t, x, y)
                 loss.item()
             grid.stats()  # every worker done
 
-        plain_steps()
-        remote_steps()
+        def compiled_steps():
+            for _ in range(steps):
+                compiled_step(x, y).item()
+            grid.stats()
+
         out = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            plain_steps()
-            t_local = time.perf_counter() - t
-            t = time.perf_counter()
-            remote_steps()
-            t_remote = time.perf_counter() - t
-            out.append((t_local / steps, t_remote / steps))
+        for i in range(repeats + 1):  # the first round warms up (and records the step)
+            times = []
+            for run in (plain_steps, traced_steps, compiled_steps):
+                t = time.perf_counter()
+                run()
+                times.append((time.perf_counter() - t) / steps)
+            if i:
+                out.append(tuple(times))
+        assert compiled_step.replays > 0, compiled_step.not_replayable
     return out
 
 
@@ -164,11 +171,11 @@ def main() -> None:
             f"(a) {label}: worker {worker:.1f} us per op, plain torch {plain:.1f} us per op "
             f"({ops} ops per step), ratio {worker / plain:.2f}x"
         )
-    for plain, remote in compute_bound(args.hidden, args.batch, args.steps, args.repeats):
+    print(f"(b) wall time per step, hidden={args.hidden} batch={args.batch}, 3 local workers:")
+    for plain, traced, compiled in compute_bound(args.hidden, args.batch, args.steps, args.repeats):
         print(
-            f"(b) wall time per step, hidden={args.hidden} batch={args.batch}: plain torch "
-            f"{plain * 1e3:.1f} ms, gridgraph (3 local workers) {remote * 1e3:.1f} ms, "
-            f"ratio {remote / plain:.2f}x"
+            f"    plain torch {plain * 1e3:.1f} ms, traced {traced * 1e3:.1f} ms "
+            f"({traced / plain:.2f}x), compiled {compiled * 1e3:.1f} ms ({compiled / plain:.2f}x)"
         )
 
 
