@@ -9,20 +9,22 @@ test hands it over, so the authentication is tested on its own.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import Raw, Tap, WorkerProcess
+from ipfs_fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.errors import GridError
 from gridgraph.exec import secure, wire
 from gridgraph.exec.ipfs.client import grid_over
-from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport
@@ -221,6 +223,100 @@ def test_a_client_not_in_allow_peers_is_not_served(kubo_nodes, outsider_node, tm
             assert torch.equal((a.send(grid.workers[0]) * 3).get(), a * 3)
     finally:
         stop_worker(proc)
+
+
+# --- a worker name that another worker's directory gives to an impostor ----------------------
+
+
+@pytest.fixture(scope="module")
+def hijacked(kubo_nodes, ipfs_workers, outsider_node, tmp_path_factory):
+    """Worker `wB` (a process of its own, on node 1) and an impostor that owns its name in
+    w0's directory: the attacker on the outsider node announced `wB` while wB was silent
+    (stopped) for longer than DEAD_AFTER, and keeps announcing it, so w0 ignores wB's own
+    announcements once it answers again. The client, given `trust`, knows the real wB.
+    Yields (the grid of w0 and wB, the attacker, what the attacker opens on wB's topic)."""
+    [wb] = start_workers([(kubo_nodes[1], "wB")], tmp_path_factory.mktemp("hijacked"))
+    attacker = Raw(outsider_node.api)
+    heard = Inbox()
+    attacker.transport.subscribe(worker_topic("wB"), heard)
+    stop = threading.Event()
+
+    def keep_announcing() -> None:
+        while not stop.is_set():
+            announce(attacker, "wB", times=1)
+
+    announcer = threading.Thread(target=keep_announcing, daemon=True)
+    grid = None
+    try:
+        directory = attacker.transport.directory  # a directory like w0's, on the attacker
+        assert directory.identity("wB", wait=15) is not None
+        os.kill(wb.proc.pid, signal.SIGSTOP)
+        announcer.start()
+        deadline = time.monotonic() + 30
+        while directory.identity("wB") != attacker.transport.identity:
+            assert time.monotonic() < deadline, "the attacker never took the name wB"
+            time.sleep(0.1)
+        time.sleep(HEARTBEAT)  # w0's directory heard the same announcements
+        os.kill(wb.proc.pid, signal.SIGCONT)
+        impostor = f"worker name 'wB', which belongs to live peer {outsider_node.peer_id}"
+        wait_for_log(worker(ipfs_workers, "w0"), impostor)  # w0 ignores the real wB now
+        trust = {"w0": kubo_nodes[0].peer_id, "wB": kubo_nodes[1].peer_id}
+        grid = gg.connect(ipfs=kubo_nodes[0].api, workers=["w0", "wB"], trust=trust, timeout=30)
+        topic = secure.blind_topic(worker_topic("wB"))
+        while outsider_node.peer_id not in Kubo(kubo_nodes[0].api).pubsub_peers(topic):
+            assert time.monotonic() < deadline + 30, "the attacker's subscription never spread"
+            time.sleep(0.1)
+        yield grid, attacker, heard
+    finally:
+        stop.set()
+        stop_all([wb])  # first: a run that still waits on wB ends (WorkerLost)
+        if grid is not None:
+            grid.close()
+        if announcer.is_alive():
+            announcer.join()
+        attacker.close()
+
+
+def test_an_impostor_of_a_worker_in_another_workers_view_reads_no_transfer(hijacked):
+    """w0 sends x to wB: sealed for the wB the client named, not for the owner of the name in
+    w0's directory, and resent on request to that wB only."""
+    grid, attacker, heard = hijacked
+    w0, wB = grid.workers
+    a = torch.randn(64)
+    x = a.send(w0)
+    with gg.trace(), gg.on(wB):
+        z = x * 2
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(z=z.get()), daemon=True)
+    thread.start()
+    thread.join(60)
+    client = grid.client
+    victim = f"{client.transport.identity}/{client.session}"
+    for run in range(1, 10):  # the impostor asks for it again, as wB would
+        resend = {"kind": "resend", "client": victim, "run": run, "value": x._vid, "dst": "wB"}
+        attacker.publish("w0", wire.encode(resend))
+    assert attacker.request("w0", {"kind": "ping"})["ok"]  # after the resends, on one topic
+    assert heard.empty_after(2.0), "w0 sealed a message for wB's impostor"
+    assert torch.equal(got["z"], a * 2)
+
+
+def test_an_impostor_of_a_worker_in_another_workers_view_forges_no_transfer(hijacked):
+    """The impostor sends w0 transfers "from wB" for the client's next runs: w0 takes only the
+    real wB's, the one the client named."""
+    grid, attacker, _ = hijacked
+    w0, wB = grid.workers
+    a = torch.randn(64)
+    x = a.send(wB)
+    client = grid.client
+    victim = f"{client.transport.identity}/{client.session}"
+    for run in range(1, 40):
+        forged = {"kind": "transfer", "client": victim, "run": run, "values": [x._vid],
+                  "src": "wB", "tensors": [torch.full((64,), 42.0)]}  # fmt: skip
+        attacker.publish("w0", wire.encode(forged))
+    assert attacker.request("w0", {"kind": "ping"})["ok"]  # after the forgeries, on one topic
+    with gg.trace(), gg.on(w0):
+        z = x + 1
+    assert torch.equal(z.get(), a + 1)
 
 
 # --- bad crypto input -----------------------------------------------------------------------

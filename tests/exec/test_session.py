@@ -143,3 +143,17 @@ def test_a_session_keeps_only_the_latest_replies_and_counts_their_bytes(monkeypa
     assert kept == [str(i) for i in latest]
     assert len(state.records) == 40
     assert state.memory() == sum(latest) + session.RECORD_BYTES * 40
+
+
+def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
+    state = session.Session("alice/s", "alice")
+    key = (1, 11, "w1")  # run 1, value 11, from worker w1
+    state.deliver(key, "mallory", {"forged": True}, bytes(10))  # first, under the same key
+    state.deliver(key, "box-1", {"real": True}, bytes(20))  # w1's identity, as its run names
+    with state.cv:
+        assert state.has_transfer(key, "box-1") and not state.has_transfer(key, "carol")
+        assert state.take(key, "box-1")[0] == {"real": True}
+    assert state.memory() == 0  # the forgery went with it
+    state.deliver(key, "box-1", {"real": True}, bytes(20))  # a resent copy: used already
+    state.deliver(key, "mallory", {"forged": True}, bytes(10))
+    assert state.memory() == 0
