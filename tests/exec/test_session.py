@@ -1,5 +1,6 @@
 """Running cached programs (session.py): call steps prepared once, the same values as plain
-torch, and every check of a run kept: undo on failure, the memory limit per step.
+torch, and every check of a run kept: undo on failure, the memory limit per step. And the
+inbox: a transfer is kept with the identity that sent it.
 
 Programs are hand-made and sent by a second peer on a local grid's bus (`Peer`).
 """
