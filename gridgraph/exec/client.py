@@ -385,7 +385,11 @@ class Client:
         self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str] | None = None
     ) -> dict[str, dict]:
         """Send each worker its part (the program itself only the first time) and wait.
-        `where`: the user's file:line by slot, for errors of runs without pending nodes."""
+        `where`: the user's file:line by slot, for errors of runs without pending nodes.
+
+        Each message names the identity of every worker that worker's part sends to or
+        receives from, as this client knows them: workers send and take transfers between
+        those identities only, whatever their own view of the grid says."""
         run = next(self._runs)
         msgs = {}
         for worker in plan.programs:
@@ -396,6 +400,8 @@ class Client:
                 "slots": slots,
                 "params": [[i, params[i]] for i in plan.params_of.get(worker, ())],
             }
+            if plan.peers_of[worker]:
+                msg["peers"] = {w: self.identity_of(w) for w in plan.peers_of[worker]}
             if plan.id not in self._programs_sent[worker]:
                 msg["program"] = plan.programs[worker]
             msgs[worker] = msg
@@ -425,6 +431,17 @@ class Client:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
             raise self._remote_error(root, slots, where)
         return replies
+
+    def identity_of(self, worker: str) -> str:
+        """The transport identity of `worker` as this client knows it (on IPFS, from its
+        directory, where `trust` and the pinned workers hold)."""
+        identity = self.transport.recipient(worker_topic(worker))
+        if identity is None:
+            raise GridError(
+                f"worker {worker!r} has no known identity on this transport, so no run may "
+                "send it data or take data from it"
+            )
+        return identity
 
     def _remote_error(
         self, error: dict, slots: list[int], where_of: dict[int, str] | None = None

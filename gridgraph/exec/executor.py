@@ -31,10 +31,13 @@ small):
     ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
                                                                    holds for the session)
     while serving, the executor may send
-    ["transfer", dst, run, value] + data        the network process publishes it (value: the
+    ["transfer", dst, peer, run, value] + data  the network process publishes it to worker
+                                                `dst`, sealed for identity `peer` (value: the
                                                 first value id the transfer carries)
-    ["recv", run, value, src, seconds]          answered ["recv-ok"] + data, or
+    ["recv", run, value, src, peer, seconds]    answered ["recv-ok"] + data (the transfer
+                                                identity `peer` sent), or
                                                 ["recv-error", "upstream" | "timeout", text]
+    (`peer`: the identity the run's client named for that worker, session.py)
     ["exit"]
 """
 
@@ -129,10 +132,10 @@ class Executor:
                 if frame[0] == "reply" and len(frame) == 2 and type(frame[1]) is int:
                     session.elsewhere = frame[1]  # what the executor holds now
                     return data
-                if frame[0] == "transfer" and len(frame) == 4:
-                    _, dst, run, value = frame
-                    worker.publish_transfer(session, str(dst), (run, value), data)
-                elif frame[0] == "recv" and len(frame) == 5:
+                if frame[0] == "transfer" and len(frame) == 5:
+                    _, dst, peer, run, value = frame
+                    worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
+                elif frame[0] == "recv" and len(frame) == 6:
                     self._recv(worker, session, frame, kill_at)
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
@@ -140,11 +143,11 @@ class Executor:
             self._end(self._cause())
 
     def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
-        _, run, value, src, seconds = frame
+        _, run, value, src, peer, seconds = frame
         key = (int(run), int(value), str(src))
         deadline = min(time.monotonic() + float(seconds), kill_at)
         try:
-            _, payload = worker.wait_transfer(session, key, deadline)
+            _, payload = worker.wait_transfer(session, key, str(peer), deadline)
         except UpstreamFailed as e:
             _send(self.conn, ["recv-error", "upstream", str(e)])
         except TimeoutError as e:
@@ -232,12 +235,15 @@ class _ExecutorHost:
     def __init__(self, conn: Connection, name: str, limits: Limits, recv_timeout: float):
         self.conn, self.name, self.limits, self.recv_timeout = conn, name, limits, recv_timeout
 
-    def transfer(self, session: Session, dst: str, msg: dict) -> None:
-        _send(self.conn, ["transfer", dst, *transfer_key(msg)], wire.encode(msg))
+    def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
+        _send(self.conn, ["transfer", dst, peer, *transfer_key(msg)], wire.encode(msg))
 
-    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
+    def receive(
+        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+    ) -> dict:
         run, value, src = key
-        _send(self.conn, ["recv", run, value, src, max(0.0, deadline - time.monotonic())])
+        seconds = max(0.0, deadline - time.monotonic())
+        _send(self.conn, ["recv", run, value, src, peer, seconds])
         frame, data = _receive(self.conn, math.inf)
         if frame[0] == "recv-ok":
             return wire.decode(data)

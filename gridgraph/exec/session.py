@@ -11,8 +11,10 @@ reset any of it:
                bare ids for the RECORDS_KEPT latest (a resend of an older one is told so)
     rng        its random stream (`worker.manual_seed` seeds only this)
     traffic    messages and bytes the worker sent for it; `ops_run`
-    sent       transfers it sent to other workers, kept for resending (ipfs)
-    inbox      transfers other workers sent it, by (run, first value id, sending worker)
+    sent       transfers it sent to other workers, kept for resending (ipfs) to the identity
+               they were sent to, and to no other
+    inbox      transfers other workers sent it, by (run, first value id, sending worker) and
+               the identity that sent each (the transport's authenticated sender)
     queue      its requests waiting to run, in arrival order
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
@@ -31,6 +33,14 @@ way just before they run, from footprints remembered per argument layout (a repl
 receives the same layouts every time). Both are cached; neither is skipped. Every result
 is bounds-checked, the memory limit is checked after every call (from running byte counts)
 and the time limit before every step. A run that fails undoes what it stored.
+
+Transfers between workers: a run message names the identity of every worker its `send` and
+`recv` steps name (`peers`, which the client takes from its own view of the grid, where its
+`trust` and pinning hold); a run without one is refused. A `send` goes to that identity only
+(and is resent to it only), and a `recv` takes only the transfer that identity sent: one
+from any other sender, even under the same key and earlier, is never used, and is dropped
+when the real one is taken. So no view of the worker's own decides whom a client's data goes
+to or comes from.
 """
 
 from __future__ import annotations
@@ -67,12 +77,16 @@ class Host(Protocol):
     limits: Limits
     recv_timeout: float
 
-    def transfer(self, session: Session, dst: str, msg: dict) -> None:
-        """Send a transfer message to worker `dst` (its key: see `transfer_key`)."""
+    def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst`, whose identity is `peer` (its key: see
+        `transfer_key`)."""
 
-    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
-        """The transfer message `key` = (run, its first value id, sending worker), waiting
-        until `deadline`; raises UpstreamFailed, TimeoutError or TimeLimitExceeded."""
+    def receive(
+        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+    ) -> dict:
+        """The transfer message `key` = (run, its first value id, sending worker) that the
+        identity `peer` sent, waiting until `deadline`; raises UpstreamFailed, TimeoutError
+        or TimeLimitExceeded."""
 
 
 log = logging.getLogger("gridgraph.worker")
@@ -88,7 +102,9 @@ RESEND_AFTER = 0.5
 
 # A transfer message carries the values one `send` step names: {"kind": "transfer", "client",
 # "run", "src", "values": [value id, ...], "tensors": [tensor, ...]}, or "error" in place of
-# the tensors when the sender failed. Its key, at both ends, is (run, first value id, src).
+# the tensors when the sender failed. Its key, at both ends, is (run, first value id, src);
+# the receiver keeps it with its sender's identity, and a run takes it only from the identity
+# it names for `src`.
 
 
 def transfer_key(msg: dict) -> tuple[int, int]:
@@ -129,8 +145,10 @@ class Session:
         self.rng = RandomState()
         self.traffic = TrafficCounter()
         self.ops_run = 0
-        self.sent: OrderedDict[tuple[int, int, str], bytes] = OrderedDict()
-        self.inbox: dict[tuple[int, int, str], Any] = {}
+        # (run, first value id, receiving worker) -> (its identity, the transfer)
+        self.sent: OrderedDict[tuple[int, int, str], tuple[str, bytes]] = OrderedDict()
+        # (run, first value id, sending worker) -> sender's identity -> (message, payload)
+        self.inbox: dict[tuple[int, int, str], dict[str, tuple[dict, bytes]]] = {}
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
@@ -198,28 +216,40 @@ class Session:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def keep_sent(self, key: tuple[int, int, str], payload: bytes) -> None:
-        """Keep a transfer this session sent, for a resend (ipfs)."""
-        old = self.sent.pop(key, None)
-        self._sent_bytes += len(payload) - len(old or b"")
-        self.sent[key] = payload
+    def keep_sent(self, key: tuple[int, int, str], peer: str, payload: bytes) -> None:
+        """Keep a transfer this session sent to identity `peer`, for a resend (ipfs)."""
+        _, old = self.sent.pop(key, ("", b""))
+        self._sent_bytes += len(payload) - len(old)
+        self.sent[key] = (peer, payload)
         while len(self.sent) > TRANSFERS_KEPT:
-            _, dropped = self.sent.popitem(last=False)
+            _, (_, dropped) = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
-    def deliver(self, key: tuple[int, int, str], msg: dict, payload: bytes) -> None:
-        """A transfer message arrived (`payload` as received); wake a waiting recv."""
+    def deliver(self, key: tuple[int, int, str], sender: str, msg: dict, payload: bytes) -> None:
+        """A transfer message arrived from identity `sender` (`payload` as received); wake a
+        waiting recv. Kept per sender: one from another identity cannot take its place."""
         with self.cv:
-            if key in self.received or key in self.inbox or self.closed:
+            got = self.inbox.get(key, {})
+            if key in self.received or sender in got or self.closed:
                 return  # ipfs: a resent copy of one already here or used
-            self.inbox[key] = (msg, payload)
+            got[sender] = (msg, payload)
+            self.inbox[key] = got
             self._inbox_bytes += len(payload)
             self.cv.notify_all()
 
-    def take(self, key: tuple[int, int, str]) -> tuple[dict, bytes]:
-        """Remove and return an inbox item (the caller holds `cv`)."""
-        msg, payload = self.inbox.pop(key)
-        self._inbox_bytes -= len(payload)
+    def has_transfer(self, key: tuple[int, int, str], sender: str) -> bool:
+        """Whether identity `sender`'s transfer `key` is here (the caller holds `cv`)."""
+        return sender in self.inbox.get(key, ())
+
+    def take(self, key: tuple[int, int, str], sender: str) -> tuple[dict, bytes]:
+        """Remove and return identity `sender`'s transfer `key`, and drop the ones other
+        identities sent under that key (the caller holds `cv`)."""
+        got = self.inbox.pop(key)
+        msg, payload = got.pop(sender)
+        self._inbox_bytes -= len(payload) + sum(len(p) for _, p in got.values())
+        for other in got:
+            log.warning("client %s: dropped a transfer claiming to come from %s: sent by %s, "
+                        "not by the identity its run names", self.key, key[2], other)  # fmt: skip
         self.received[key] = None
         while len(self.received) > TRANSFERS_KEPT:
             self.received.popitem(last=False)
@@ -372,6 +402,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
             raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
     if len(slots) != program.n_slots or not program.params <= params.keys():
         raise RequestError(f"run of plan {plan_id} does not fit its program")
+    peers = _peers(msg.get("peers", {}), program, plan_id)
     # Checked from meta shapes before anything runs or changes; frees count as done.
     peak, work, unchecked = program.footprint(session.store, slots, params)
     held = session.memory() - session.store.bytes_freed_by(frees)
@@ -384,7 +415,23 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     session.programs.move_to_end(plan_id)
     _free(session, frees)
     deadline = host.limits.deadline(start)
-    return Run(host, session, run, slots, params, deadline).execute(program, unchecked)
+    return Run(host, session, run, slots, params, peers, deadline).execute(program, unchecked)
+
+
+def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
+    """The run's `peers`, checked: an identity (a string) for each worker it names."""
+    if not isinstance(peers, dict) or not all(
+        isinstance(name, str) and isinstance(identity, str) and identity
+        for name, identity in peers.items()
+    ):
+        raise RequestError("'peers' must map worker names to their identities")
+    unnamed = sorted(program.workers - peers.keys())
+    if unnamed:
+        raise RequestError(
+            f"run of plan {plan_id} sends to or receives from {', '.join(unnamed)}, whose "
+            "identity 'peers' does not give"
+        )
+    return peers
 
 
 def _bye(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
@@ -413,6 +460,8 @@ class Program:
                 if slot not in defined and slot not in self.inputs:
                     self.inputs.append(slot)
             defined.update(_defines(step))
+        # The workers it sends to or receives from: a run names each one's identity.
+        self.workers = {step[2] for step in self.steps if step[0] in ("send", "recv")}
         # Each call step prepared once (its op resolved, its arguments turned into
         # accessors), so a run does no name lookup and no per-argument type dispatch.
         self.calls: dict[int, CompiledCall] = {
@@ -620,13 +669,14 @@ class Run:
 
     def __init__(
         self, host: Host, session: Session, run: int, slots: list, params: dict,
-        deadline: float,
+        peers: dict[str, str], deadline: float,
     ) -> None:  # fmt: skip
         self.w = host
         self.s = session
         self.run = run
         self.slots = slots
         self.params = params
+        self.peers = peers  # worker name -> the identity the client knows it by
         self.deadline = deadline
         self.created: list[int] = []  # value ids this run stored, undone on failure
 
@@ -739,17 +789,18 @@ class Run:
             "values": [self.slots[slot] for slot in slots],
             "tensors": [self.value(slot) for slot in slots],
         }
-        self.w.transfer(self.s, dst, msg)
+        self.w.transfer(self.s, dst, self.peers[dst], msg)
 
     def recv(self, slots: list[int], src: str) -> None:
-        """Receive the values in `slots` from worker `src`, sent in one transfer message.
+        """Receive the values in `slots` from worker `src`, sent in one transfer message by
+        the identity the run names for `src`.
 
         The message must carry exactly these value ids, in this order, and a tensor for each:
         otherwise none of them is stored and the run fails."""
         vids = [self.slots[slot] for slot in slots]
         deadline = min(time.monotonic() + self.w.recv_timeout, self.deadline)
         try:
-            got = self.w.receive(self.s, (self.run, vids[0], src), deadline)
+            got = self.w.receive(self.s, (self.run, vids[0], src), self.peers[src], deadline)
         except TimeoutError:
             if time.monotonic() >= self.deadline:
                 raise TimeLimitExceeded(self.w.limits.max_request_seconds) from None
@@ -784,7 +835,7 @@ class Run:
                     "values": [self.slots[slot] for slot in later[1]],
                     "error": f"failed on {self.w.name}",
                 }
-                self.w.transfer(self.s, later[2], msg)
+                self.w.transfer(self.s, later[2], self.peers[later[2]], msg)
         for vid in self.created:
             self.s.store.free(vid)
         upstream = isinstance(error, UpstreamFailed)

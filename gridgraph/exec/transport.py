@@ -6,8 +6,15 @@ PubSub transport in `ipfs/transport.py`. Delivery is best effort and unordered a
 the layers above add message ids, acknowledgements and retries.
 
 A handler is called as `handler(sender, payload)`, where `sender` is the publishing
-endpoint's identity (a local name in-process, the libp2p peer ID on IPFS, where the
-signature makes it trustworthy). Handlers must return quickly: they only enqueue.
+endpoint's identity (a local name in-process, the libp2p peer ID and key on IPFS, where the
+signature and the sealing make it trustworthy). Handlers must return quickly: they only
+enqueue.
+
+Addressing: a message is for one endpoint, the one whose identity the publisher gives as `to`,
+else the one `recipient(topic)` names (on IPFS only the endpoint a message is sealed for can
+open it; the LocalBus, given no `to`, hands it to every subscriber of the topic). Workers
+publish transfers `to` the identity the client named for the receiving worker, so that no view
+of the worker's own (its discovery directory on IPFS) decides who reads the client's data.
 """
 
 from __future__ import annotations
@@ -46,8 +53,12 @@ class Transport(ABC):
         self.sent = TrafficCounter()
 
     @abstractmethod
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
-        """Send `payload` to every subscriber of `topic` (best effort).
+    def publish(
+        self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
+    ) -> None:
+        """Send `payload` on `topic` (best effort): to the endpoint whose identity is `to`
+        only, when given; else to the topic's subscribers (on IPFS sealed for
+        `recipient(topic)`, the only one that can read it).
 
         `counted=False` keeps the message out of `sent` (used for the stats exchange itself).
         """
@@ -71,8 +82,7 @@ class LocalBus:
     """An in-process publish/subscribe network: topics map to handlers, delivery is a call."""
 
     def __init__(self) -> None:
-        self._handlers: dict[str, list[Handler]] = {}
-        self._subscribers: dict[str, set[str]] = {}  # topic -> identities subscribed
+        self._handlers: dict[str, list[tuple[str, Handler]]] = {}  # topic -> (identity, handler)
         self._lock = threading.Lock()
 
     def endpoint(self, identity: str) -> LocalTransport:
@@ -80,23 +90,22 @@ class LocalBus:
 
     def _subscribe(self, topic: str, handler: Handler, identity: str) -> None:
         with self._lock:
-            self._handlers.setdefault(topic, []).append(handler)
-            self._subscribers.setdefault(topic, set()).add(identity)
+            self._handlers.setdefault(topic, []).append((identity, handler))
 
     def _recipient(self, topic: str) -> str | None:
         with self._lock:
-            subscribers = self._subscribers.get(topic, set())
+            subscribers = {identity for identity, _ in self._handlers.get(topic, ())}
             return next(iter(subscribers)) if len(subscribers) == 1 else None
 
-    def _unsubscribe_all(self, handlers: list[tuple[str, Handler]]) -> None:
+    def _unsubscribe_all(self, identity: str, handlers: list[tuple[str, Handler]]) -> None:
         with self._lock:
             for topic, handler in handlers:
-                if handler in self._handlers.get(topic, []):
-                    self._handlers[topic].remove(handler)
+                if (identity, handler) in self._handlers.get(topic, []):
+                    self._handlers[topic].remove((identity, handler))
 
-    def _deliver(self, sender: str, topic: str, payload: bytes) -> None:
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
         with self._lock:
-            handlers = list(self._handlers.get(topic, ()))
+            handlers = [h for who, h in self._handlers.get(topic, ()) if to in (None, who)]
         for handler in handlers:
             handler(sender, payload)
 
@@ -111,12 +120,15 @@ class LocalTransport(Transport):
         self._mine: list[tuple[str, Handler]] = []
         self._closed = False
 
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+    def publish(
+        self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
+    ) -> None:
+        """Deliver to the handlers of `topic` (of endpoint `to` only, when given)."""
         if self._closed:
             raise RuntimeError(f"transport {self.identity!r} is closed")
         if counted:
             self.sent.add(len(payload))
-        self._bus._deliver(self.identity, topic, payload)
+        self._bus._deliver(self.identity, topic, payload, to)
 
     def subscribe(self, topic: str, handler: Handler) -> None:
         self._mine.append((topic, handler))
@@ -127,5 +139,5 @@ class LocalTransport(Transport):
 
     def close(self) -> None:
         self._closed = True
-        self._bus._unsubscribe_all(self._mine)
+        self._bus._unsubscribe_all(self.identity, self._mine)
         self._mine.clear()

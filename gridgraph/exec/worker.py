@@ -29,9 +29,16 @@ Policy:
       request was accepted and served. A request over the peer's rate, the session's memory
       or time limit is refused with an error naming the limit (limits.py).
     - A malformed request gets an error reply when it names a reply topic and an id.
-    - Transfers from other workers are accepted only from the worker they name (checked
-      against `peer_identity`, which must not block) into the inbox of the session they
-      name, counted against that session's memory.
+    - Transfers between workers go only between the identities the client named: a run
+      message names the identity of each worker its program sends to or receives from
+      (`peers`; a run without one is refused). A send is published to that identity only
+      (on IPFS sealed for it), a kept transfer is resent only when that identity asks, and a
+      request to resend goes to the identity the run names too. A transfer is kept in the
+      inbox of the session it names, with its sender's identity, counted against that
+      session's memory, and a run takes it only from the identity it names for the sending
+      worker (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
+      discovery directory) who a worker is: a peer that owns a worker's name there, or
+      claims one, gets nothing it may read and can place nothing a run uses.
 """
 
 from __future__ import annotations
@@ -86,7 +93,6 @@ class Worker:
         limits: Limits | None = None,
         isolate: bool = False,
         recv_timeout: float = 120.0,
-        peer_identity: Callable[[str], str | None] | None = None,
         peer_alive: Callable[[str], bool] = lambda name: True,
     ) -> None:
         self.name = name
@@ -97,16 +103,14 @@ class Worker:
         if isolate:
             threading.Thread(target=executor.prewarm, daemon=True).start()
         self.recv_timeout = recv_timeout
-        # Maps a worker name to its transport identity, to check who sent a transfer. It is
-        # called on the transport's thread, so it must answer at once (None: unknown yet).
-        self.peer_identity = peer_identity or (lambda n: n)
         # Whether another worker still answers (heartbeats on IPFS): a recv from a dead one
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
-        # Publications decided on the transport's thread go out from this one thread.
+        # Publications decided on the transport's thread go out from this one thread:
+        # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
@@ -157,14 +161,16 @@ class Worker:
             self._refuse(reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
-            self._outbox.put((reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0})))
+            self._outbox.put(
+                (reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0}), None)
+            )
             return
         with session.cv:
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
             if rec is not None:  # a resend: never run twice
                 if rec.reply is not None and arrived > rec.sent_at:  # the reply was lost
-                    self._outbox.put((reply_to, rec.reply))
+                    self._outbox.put((reply_to, rec.reply, None))
                 elif rec.reply is None and rec.sent_at < arrived:
                     error = RequestError("request already served; its reply is no longer kept",
                                          "already-served")  # fmt: skip
@@ -186,7 +192,7 @@ class Worker:
                 reply = self._error_reply(rid, error)
                 session.replied(rec, reply)
                 rec.sent_at = arrived
-                self._outbox.put((reply_to, reply))
+                self._outbox.put((reply_to, reply, None))
                 return
             session.queue.append((msg, arrived, payload))
             session.busy = True
@@ -228,9 +234,6 @@ class Worker:
         except (KeyError, TypeError, ValueError):
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
             return
-        if self.peer_identity(key[2]) != sender:
-            log.warning("%s: dropped a transfer claiming to come from %s", self.name, key[2])
-            return
         session = self._session(client, client.split("/", 1)[0], create=False)
         if session is None:
             session = self._transfer_session(client)
@@ -247,7 +250,9 @@ class Worker:
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
-        session.deliver(key, msg, payload)
+        # Kept with its sender, whoever that is: a run takes it only from the identity its
+        # client named for the sending worker.
+        session.deliver(key, sender, msg, payload)
 
     def _transfer_session(self, client: str) -> Session | None:
         """The session a transfer names, created if its peer may hold one more."""
@@ -258,6 +263,7 @@ class Worker:
             return None
 
     def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
+        """Send a kept transfer again, if the identity it was sent to asks for it."""
         try:
             key = (int(msg["run"]), int(msg["value"]), str(msg["dst"]))
             client = str(msg["client"])
@@ -265,17 +271,17 @@ class Worker:
             return
         session = self._session(client, "", create=False)
         kept = session.sent.get(key) if session is not None else None
-        if kept is not None and self.peer_identity(key[2]) == sender:
-            self._outbox.put((worker_topic(key[2]), kept))
+        if kept is not None and kept[0] == sender:
+            self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
 
     def _send_loop(self) -> None:
         while True:
             item = self._outbox.get()
             if item is None:
                 return
-            topic, payload = item
+            topic, payload, to = item
             try:
-                self.transport.publish(topic, payload, counted=False)  # ipfs: a recovery
+                self.transport.publish(topic, payload, False, to)  # ipfs: a recovery
             except Exception as e:
                 log.warning("%s: could not send to %s: %s", self.name, topic, e)
 
@@ -358,13 +364,15 @@ class Worker:
     def _refuse(self, reply_to: str, rid: str, error: Exception) -> None:
         """An error reply decided on the transport's thread (nothing recorded, nothing run)."""
         log.warning("%s: refused request %s: %s", self.name, rid, error)
-        self._outbox.put((reply_to, self._error_reply(rid, error)))
+        self._outbox.put((reply_to, self._error_reply(rid, error), None))
 
-    def _publish(self, session: Session, topic: str, payload: bytes, counted: bool) -> None:
+    def _publish(
+        self, session: Session, topic: str, payload: bytes, counted: bool, to: str | None = None
+    ) -> None:
         if counted:
             session.traffic.add(len(payload))
         try:
-            self.transport.publish(topic, payload, counted)
+            self.transport.publish(topic, payload, counted, to)
         except Exception as e:  # the transport is closing, or the node is down
             log.warning("%s: could not send to %s: %s", self.name, topic, e)
 
@@ -392,31 +400,36 @@ class Worker:
 
     # --- transfers between workers (called by Run) -----------------------------------------
 
-    def transfer(self, session: Session, dst: str, msg: dict) -> None:
-        """Send a transfer message to worker `dst` (see session.Host)."""
-        self.publish_transfer(session, dst, transfer_key(msg), wire.encode(msg))
+    def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
+        """Send a transfer message to worker `dst`, identity `peer` (see session.Host)."""
+        self.publish_transfer(session, dst, peer, transfer_key(msg), wire.encode(msg))
 
     def publish_transfer(
-        self, session: Session, dst: str, run_value: tuple[int, int], payload: bytes
+        self, session: Session, dst: str, peer: str, run_value: tuple[int, int], payload: bytes
     ) -> None:
-        """Send a transfer and keep it a while, in case the receiver asks again. # ipfs:"""
-        session.keep_sent((*run_value, dst), payload)
-        self._publish(session, worker_topic(dst), payload, counted=True)
+        """Send a transfer to worker `dst` as identity `peer` (the one its run names), and
+        keep it a while, in case that identity asks again. # ipfs:"""
+        session.keep_sent((*run_value, dst), peer, payload)
+        self._publish(session, worker_topic(dst), payload, counted=True, to=peer)
 
-    def receive(self, session: Session, key: tuple[int, int, str], deadline: float) -> dict:
-        """The transfer `key` = (run, value id, sending worker) for `session` (see Host)."""
-        return self.wait_transfer(session, key, deadline)[0]
+    def receive(
+        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+    ) -> dict:
+        """The transfer `key` = (run, value id, sending worker) that identity `peer` sent
+        for `session` (see Host)."""
+        return self.wait_transfer(session, key, peer, deadline)[0]
 
     def wait_transfer(
-        self, session: Session, key: tuple[int, int, str], deadline: float
+        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
     ) -> tuple[dict, bytes]:
-        """Wait for a transfer from the worker `key` names; give up once that worker or the
-        client is gone (or at `deadline`), asking for a resend now and then (ipfs)."""
+        """Wait for the transfer `key` from the worker it names, sent by identity `peer`;
+        give up once that worker or the client is gone (or at `deadline`), asking `peer` for
+        a resend now and then (ipfs)."""
         run, vid, src = key
         wait = RESEND_AFTER
         ask = time.monotonic() + wait
         with session.cv:
-            while key not in session.inbox:
+            while not session.has_transfer(key, peer):
                 if run in session.aborted:
                     raise UpstreamFailed(f"run {run} was aborted by its client")
                 if session.closed:
@@ -427,17 +440,18 @@ class Worker:
                 if now >= deadline:
                     raise TimeoutError(f"timed out waiting for %{vid} from worker {src}")
                 if now >= ask:  # ipfs: maybe dropped; the sender resends it if it was sent
-                    self.ask_resend(session, run, vid, src)
+                    self.ask_resend(session, run, vid, src, peer)
                     wait = min(2 * wait, 8 * RESEND_AFTER)  # ipfs: slow, or lost again
                     ask = now + wait
                 session.cv.wait(min(deadline, ask) - now)
-            return session.take(key)
+            return session.take(key, peer)
 
-    def ask_resend(self, session: Session, run: int, vid: int, src: str) -> None:
-        """ipfs: ask worker `src` to send a transfer again (it may have been dropped)."""
+    def ask_resend(self, session: Session, run: int, vid: int, src: str, peer: str) -> None:
+        """ipfs: ask worker `src`, identity `peer`, to send a transfer again (it may have
+        been dropped)."""
         resend = {"kind": "resend", "client": session.key, "run": run, "value": vid,
                   "dst": self.name}  # fmt: skip
-        self._outbox.put((worker_topic(src), wire.encode(resend)))
+        self._outbox.put((worker_topic(src), wire.encode(resend), peer))
 
     def close(self) -> None:
         self._closed = True

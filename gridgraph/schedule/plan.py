@@ -55,6 +55,7 @@ from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from gridgraph.trace.graph import Const, Node, Ref, Value
@@ -105,6 +106,15 @@ class Plan:
     @property
     def bytes_moved(self) -> int:
         return sum(t.nbytes for t in self.transfers)
+
+    @cached_property
+    def peers_of(self) -> dict[str, list[str]]:
+        """Per worker, the workers its program sends to or receives from (a run message
+        names each one's identity)."""
+        return {
+            w: sorted({step[2] for st in stages for step in st if step[0] in ("send", "recv")})
+            for w, stages in self.programs.items()
+        }
 
     @property
     def messages(self) -> int:

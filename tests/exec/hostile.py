@@ -43,11 +43,15 @@ def call(op: str, args: list, outs: list[int], kwargs: dict | None = None,
 
 
 def run(steps: list, slots: list[int], *, plan: int = 1, run_id: int = 1,
-        params: list | None = None, program: bool = True) -> dict:  # fmt: skip
-    """A run request of one stage of `steps` over value ids `slots`."""
+        params: list | None = None, program: bool = True,
+        peers: dict | None = None) -> dict:  # fmt: skip
+    """A run request of one stage of `steps` over value ids `slots`; `peers`: the identity
+    of each worker its `send` and `recv` steps name."""
     msg = {"kind": "run", "run": run_id, "plan": plan, "slots": slots, "params": params or []}
     if program:
         msg["program"] = [steps]
+    if peers is not None:
+        msg["peers"] = peers
     return msg
 
 
@@ -85,6 +89,11 @@ class Peer:
         full = {"id": rid or uuid.uuid4().hex, "reply_to": self.reply_topic(session),
                 "session": session}  # fmt: skip
         return wire.encode({**full, **msg})
+
+    def identities(self, *workers: str) -> dict[str, str | None]:
+        """Each worker's identity as this peer's transport knows it: what a client names in
+        a run's `peers`."""
+        return {w: self.transport.recipient(worker_topic(w)) for w in workers}
 
     def send(self, worker: str, msg: dict, rid: str | None = None) -> str:
         rid = rid or uuid.uuid4().hex

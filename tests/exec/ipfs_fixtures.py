@@ -175,12 +175,14 @@ class Tap(Transport):
         self.identity, self.sent = inner.identity, inner.sent
         self.dropped = self.repeated = 0
 
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+    def publish(
+        self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
+    ) -> None:
         times = self.outgoing(topic, payload)
         self.dropped += times == 0
         self.repeated += max(times - 1, 0)
         for _ in range(times):
-            self.inner.publish(topic, payload, counted)
+            self.inner.publish(topic, payload, counted, to)
 
     def subscribe(self, topic: str, handler: Handler) -> None:
         def filtered(sender: str, payload: bytes) -> None:

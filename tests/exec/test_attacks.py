@@ -237,7 +237,9 @@ def test_a_program_that_would_run_for_hours_is_refused_or_stopped(arena):
 
 def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
     arena.attacker_put(1, torch.ones(1))
-    rid = arena.attacker.send(arena.target, run([["recv", [0], arena.other]], [2], run_id=7))
+    wait = run([["recv", [0], arena.other]], [2], run_id=7,
+               peers=arena.attacker.identities(arena.other))  # fmt: skip
+    rid = arena.attacker.send(arena.target, wait)
     for _ in range(3):
         arena.check()  # served while the attacker's recv waits
     arena.attacker.publish(
@@ -249,7 +251,8 @@ def test_a_recv_nobody_will_satisfy_blocks_only_its_own_session(arena):
 
 
 def test_a_recv_from_a_worker_that_does_not_exist_fails_at_once(arena):
-    reply = arena.attack(run([["recv", [0], "nobody"]], [2]), timeout=20)
+    reply = arena.attack(run([["recv", [0], "nobody"]], [2], peers={"nobody": "nobody"}),
+                         timeout=20)  # fmt: skip
     assert reply["ok"] is False
     arena.check()
 
@@ -292,7 +295,7 @@ def test_a_grouped_transfer_with_one_bad_value_stores_none_of_them(case):
         client = local_peer.Peer(grid)  # mallory/s
         rogue = local_peer.Peer(grid, name="w1")  # the worker its program receives from
         steps = [["recv", [0, 1, 2], "w1"], ["return", 0], ["return", 1], ["return", 2]]
-        rid = client.send("w0", run(steps, [11, 12, 13]))
+        rid = client.send("w0", run(steps, [11, 12, 13], peers={"w1": "w1"}))
         transfer = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w1",
                     "values": values, "tensors": tensors}  # fmt: skip
         rogue.publish("w0", wire.encode(transfer))
@@ -411,6 +414,9 @@ MALFORMED = {
     "send of no values": run([["send", [], "w1"]], [1]),
     "recv of a slot twice": run([["recv", [0, 0], "w1"]], [1]),
     "recv without a source": run([["recv"]], [1]),
+    "a send without its receiver's identity": run([["send", [0], "w0"]], [1]),
+    "a send to an identity that is not a string": run([["send", [0], "w0"]], [1], peers={"w0": 7}),
+    "peers that are not a map": run([["send", [0], "w0"]], [1], peers=["w0"]),
     "free of a non-slot": run([["free", "x"]], [1]),
     "a step that is not a list": run([42], [1]),
     "an unknown step kind": run([["explode", 0]], [1]),

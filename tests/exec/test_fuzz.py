@@ -1,8 +1,9 @@
 """The fuzzer: generated messages to a live worker that also serves a well-behaved client.
 
 Hypothesis drives the generator (one random stream per batch of messages), which makes three
-kinds of message: valid requests with fields mutated (any field replaced by an arbitrary
-value, dropped, or joined by junk), valid messages with their bytes mutated (flipped, cut,
+kinds of message: valid requests (a run naming the identity of each worker it sends to or
+receives from) with fields mutated (any field replaced by an arbitrary value, dropped, or
+joined by junk), valid messages with their bytes mutated (flipped, cut,
 extended), and random bytes. They are sent to a live worker: at least
 10,000 on the local bus, 1,000 over Kubo. Every so often the victim checks its tensor and
 computes (exact, against plain torch) and a fresh peer pings the worker: a crash or a hang
@@ -141,8 +142,11 @@ def a_request(rng: random.Random) -> dict:
     elif kind == "run":
         program = [a_step(rng) for _ in range(rng.randint(1, 5))]
         params = [[rng.randint(0, 4), a_value(rng)] for _ in range(rng.randint(0, 2))]
+        # The identity of each worker it names: the name itself, as on the local bus.
+        peers = {step[2]: step[2] for step in program if step[0] in ("send", "recv")}
         body = run(program, [rng.randint(0, 8) for _ in range(6)], plan=rng.randint(0, 6),
-                   run_id=rng.randint(0, 6), params=params, program=rng.random() < 0.7)  # fmt: skip
+                   run_id=rng.randint(0, 6), params=params, program=rng.random() < 0.7,
+                   peers=peers)  # fmt: skip
     elif kind == "seed":
         body = {"seed": an_int(rng)}
     elif kind == "stats":
@@ -222,7 +226,11 @@ class Fuzzer:
             self.unencodable += 1
             return
         if isinstance(message, dict):
-            message = {**message, "reply_to": peer.topic}
+            # The sender's own reply topic for the session named (else the worker drops it
+            # unread), unless the session is one of no use to a well-behaved peer.
+            session = message.get("session")
+            ours = isinstance(session, str) and session in SESSIONS
+            message = {**message, "reply_to": peer.reply_topic(session) if ours else peer.topic}
             try:
                 payload = wire.encode(message)
             except (wire.WireError, OverflowError, TypeError, ValueError):

@@ -4,25 +4,31 @@ client's results stay exact (real Kubo daemons, real worker processes).
 The attacker runs on `outsider_node`, a node of the swarm with no worker, as a full endpoint
 of its own (it can seal messages for any worker, as any peer of an open grid can). Where an
 attack needs what only a broken confidentiality would give (a request id, a session), the
-test hands it over, so the authentication is tested on its own.
+test hands it over, so the authentication is tested on its own. The last tests give the
+attacker a worker's name in another worker's directory (`hijacked`), as any peer can take
+the name of a worker silent for DEAD_AFTER.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import Raw, Tap, WorkerProcess
+from ipfs_fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.errors import GridError
 from gridgraph.exec import secure, wire
 from gridgraph.exec.ipfs.client import grid_over
-from gridgraph.exec.ipfs.discovery import discover
+from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport
@@ -119,10 +125,11 @@ def test_a_forged_transfer_is_refused(ipfs_grid, ipfs_workers, attacker):
                       "src": src, "tensors": [torch.full((100,), 42.0)]}  # fmt: skip
             attacker.publish("w2", wire.encode(forged))
     assert attacker.request("w2", {"kind": "ping"})["ok"]  # after the forgeries, on one topic
-    wait_for_log(worker(ipfs_workers, "w2"), "dropped a transfer claiming to come from w1")
     with gg.trace(), gg.on(w2):  # x moves from w1 to w2
         z = x * 2
     assert torch.equal(z.get(), a * 2)
+    # Those under the key the run took are dropped as it takes the real one.
+    wait_for_log(worker(ipfs_workers, "w2"), "dropped a transfer claiming to come from w1")
 
 
 def test_a_replayed_request_is_refused(ipfs_grid, ipfs_workers, kubo_nodes, outsider_node):
@@ -272,8 +279,9 @@ def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, at
 
 
 def test_transfers_from_unknown_workers_do_not_stall_a_worker(ipfs_grid, ipfs_workers, attacker):
-    """Looking up who a transfer claims to come from never waits on the reader thread: a
-    burst naming workers nobody has heard of is dropped at once, and the worker serves on."""
+    """Nothing about a transfer waits on the reader thread (who sent it is checked when a run
+    takes it): a burst naming workers nobody has heard of costs nothing, and the worker
+    serves on."""
     a = torch.randn(4)
     x = a.send(ipfs_grid.workers[1])
     for i in range(20):
@@ -283,4 +291,124 @@ def test_transfers_from_unknown_workers_do_not_stall_a_worker(ipfs_grid, ipfs_wo
     start = time.monotonic()
     assert torch.equal(x.get(), a)
     assert time.monotonic() - start < 20  # 20 lookups waiting 2 s each would take 40 s
-    wait_for_log(worker(ipfs_workers, "w1"), "claiming to come from ghost19")
+
+
+# --- a worker name that another worker's directory gives to an impostor ----------------------
+
+
+@dataclass
+class Hijack:
+    """w0 and wB, and an impostor that owns the name wB in w0's directory (`hijacked`)."""
+
+    grid: gg.Grid  # a client given `trust`: its directory ignores the impostor
+    open_grid: gg.Grid  # a client without `trust`, connected before the impostor came
+    attacker: Raw
+    heard: Inbox  # what the attacker can open on wB's topic
+
+    def drain(self) -> None:
+        while not self.heard.items.empty():
+            self.heard.items.get_nowait()
+
+
+@pytest.fixture(scope="module")
+def hijacked(kubo_nodes, ipfs_workers, outsider_node, tmp_path_factory) -> Iterator[Hijack]:
+    """Worker `wB` (a process of its own, on node 1) and an impostor that owns its name in
+    w0's directory: the attacker on the outsider node announced `wB` while wB was silent
+    (stopped) for longer than DEAD_AFTER, and keeps announcing it, so w0 ignores wB's own
+    announcements once it answers again. The trusting client knows the real wB; so does the
+    open one's directory, as the wB it pinned, though the name is the impostor's there too."""
+    [wb] = start_workers([(kubo_nodes[1], "wB")], tmp_path_factory.mktemp("hijacked"))
+    attacker = Raw(outsider_node.api)
+    heard = Inbox()
+    attacker.transport.subscribe(worker_topic("wB"), heard)
+    stop = threading.Event()
+
+    def keep_announcing() -> None:
+        while not stop.is_set():
+            announce(attacker, "wB", times=1)
+
+    announcer = threading.Thread(target=keep_announcing, daemon=True)
+    grids: list[gg.Grid] = []
+    try:
+        grids.append(gg.connect(ipfs=kubo_nodes[0].api, workers=["w0", "wB"], timeout=30))
+        directory = attacker.transport.directory  # a directory like w0's, on the attacker
+        assert directory.identity("wB", wait=15) is not None
+        os.kill(wb.proc.pid, signal.SIGSTOP)
+        announcer.start()
+        deadline = time.monotonic() + 30
+        while directory.identity("wB") != attacker.transport.identity:
+            assert time.monotonic() < deadline, "the attacker never took the name wB"
+            time.sleep(0.1)
+        time.sleep(HEARTBEAT)  # w0's directory heard the same announcements
+        os.kill(wb.proc.pid, signal.SIGCONT)
+        impostor = f"worker name 'wB', which belongs to live peer {outsider_node.peer_id}"
+        wait_for_log(worker(ipfs_workers, "w0"), impostor)  # w0 ignores the real wB now
+        trust = {"w0": kubo_nodes[0].peer_id, "wB": kubo_nodes[1].peer_id}
+        grids.append(
+            gg.connect(ipfs=kubo_nodes[0].api, workers=["w0", "wB"], trust=trust, timeout=30)
+        )
+        topic = secure.blind_topic(worker_topic("wB"))
+        while outsider_node.peer_id not in Kubo(kubo_nodes[0].api).pubsub_peers(topic):
+            assert time.monotonic() < deadline + 30, "the attacker's subscription never spread"
+            time.sleep(0.1)
+        yield Hijack(grids[1], grids[0], attacker, heard)
+    finally:
+        stop.set()
+        stop_all([wb])  # first: a run that still waits on wB ends (WorkerLost)
+        for grid in grids:
+            grid.close()
+        if announcer.is_alive():
+            announcer.join()
+        attacker.close()
+
+
+def test_an_impostor_of_a_worker_in_another_workers_view_reads_no_transfer(hijacked):
+    """w0 sends x to wB: sealed for the wB the client named, not for the owner of the name in
+    w0's directory, and resent on request to that wB only."""
+    hijacked.drain()
+    w0, wB = hijacked.grid.workers
+    a = torch.randn(64)
+    x = a.send(w0)
+    with gg.trace(), gg.on(wB):
+        z = x * 2
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(z=z.get()), daemon=True)
+    thread.start()
+    thread.join(60)
+    client, attacker = hijacked.grid.client, hijacked.attacker
+    victim = f"{client.transport.identity}/{client.session}"
+    for run in range(1, 10):  # the impostor asks for it again, as wB would
+        resend = {"kind": "resend", "client": victim, "run": run, "value": x._vid, "dst": "wB"}
+        attacker.publish("w0", wire.encode(resend))
+    assert attacker.request("w0", {"kind": "ping"})["ok"]  # after the resends, on one topic
+    assert hijacked.heard.empty_after(2.0), "w0 sealed a message for wB's impostor"
+    assert torch.equal(got["z"], a * 2)
+
+
+def test_an_impostor_of_a_worker_in_another_workers_view_forges_no_transfer(hijacked):
+    """The impostor sends w0 transfers "from wB" for the client's next runs: w0 takes only the
+    real wB's, the one the client named."""
+    w0, wB = hijacked.grid.workers
+    a = torch.randn(64)
+    x = a.send(wB)
+    client = hijacked.grid.client
+    victim = f"{client.transport.identity}/{client.session}"
+    for run in range(1, 40):
+        forged = {"kind": "transfer", "client": victim, "run": run, "values": [x._vid],
+                  "src": "wB", "tensors": [torch.full((64,), 42.0)]}  # fmt: skip
+        hijacked.attacker.publish("w0", wire.encode(forged))
+    assert hijacked.attacker.request("w0", {"kind": "ping"})["ok"]  # after them, on one topic
+    with gg.trace(), gg.on(w0):
+        z = x + 1
+    assert torch.equal(z.get(), a + 1)
+
+
+def test_an_open_grid_client_seals_nothing_for_an_impostor_of_a_worker_it_pinned(hijacked):
+    """The client without `trust` pinned the real wB; the impostor owns the name in its
+    directory now. To that client wB is lost, and what it sends wB stays sealed for the wB it
+    pinned."""
+    hijacked.drain()
+    open_wB = hijacked.open_grid.workers[1]
+    with pytest.raises(gg.WorkerLost):
+        torch.randn(64).send(open_wB)
+    assert hijacked.heard.empty_after(2.0), "the client sealed a request for wB's impostor"

@@ -135,7 +135,7 @@ def test_a_peer_holds_at_most_its_share_of_sessions_and_a_new_one_evicts_its_old
 def test_a_blocked_recv_delays_no_other_client_and_ends_with_its_session(local_grid):
     peer = Peer(local_grid)
     wait_forever = {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
-                    "program": [[["recv", [0], "w1"]]]}  # fmt: skip
+                    "program": [[["recv", [0], "w1"]]], "peers": {"w1": "w1"}}  # fmt: skip
     rid = peer.send("w0", wait_forever)  # nobody will send it
     x = torch.randn(8)
     for _ in range(5):  # the other client is served meanwhile
@@ -149,9 +149,10 @@ def test_a_recv_takes_its_value_only_from_the_worker_its_program_names(local_gri
     peer = Peer(local_grid)
     assert peer.request("w2", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
     recv = {"kind": "run", "run": 1, "plan": 1, "slots": [1], "params": [],
-            "program": [[["recv", [0], "w1"], ["return", 0]]]}  # fmt: skip
+            "program": [[["recv", [0], "w1"], ["return", 0]]], "peers": {"w1": "w1"}}  # fmt: skip
     rid = peer.send("w0", recv)
-    send = {**recv, "program": [[["send", [0], "w0"]]]}  # the right value, the wrong worker
+    send = {**recv, "program": [[["send", [0], "w0"]]],  # the right value, the wrong worker
+            "peers": {"w0": "w0"}}  # fmt: skip
     assert peer.request("w2", send)["ok"]
     assert peer.no_reply_within(0.5)  # still waiting for w1
     peer.send("w0", {"kind": "abort", "run": 1})
@@ -183,8 +184,9 @@ def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
         peer = Peer(grid)
         assert peer.request("w1", {"kind": "put", "values": [[1, torch.ones(1, 4)]]})["ok"]
         send = {"kind": "run", "run": 1, "plan": 1, "slots": [1, 2, 3], "params": [],
-                "program": [[["send", [0], "w0"]]]}  # fmt: skip
-        recv = {**send, "program": [[["recv", [0], "w1"], step, contiguous]]}
+                "program": [[["send", [0], "w0"]]], "peers": {"w0": "w0"}}  # fmt: skip
+        recv = {**send, "program": [[["recv", [0], "w1"], step, contiguous]],
+                "peers": {"w1": "w1"}}  # fmt: skip
         rid = peer.send("w0", recv)
         assert peer.request("w1", send)["ok"]
         reply = peer.reply(rid)

@@ -1,5 +1,6 @@
 """Running cached programs (session.py): call steps prepared once, the same values as plain
-torch, and every check of a run kept: undo on failure, the memory limit per step.
+torch, and every check of a run kept: undo on failure, the memory limit per step. And the
+inbox: a transfer is kept with the identity that sent it.
 
 Programs are hand-made and sent by a second peer on a local grid's bus (`Peer`).
 """
@@ -162,9 +163,10 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
         state = grid.local_workers[0].sessions
 
         def square_on_w0(run: int, vid: int, program: bool) -> dict:
-            rid = peer.send("w0", hostile.run(square, [vid, 100 + run], run_id=run,
-                                              plan=1, program=program))  # fmt: skip
-            sent = hostile.run([["send", [0], "w0"]], [vid], run_id=run, plan=2, program=program)
+            rid = peer.send("w0", hostile.run(square, [vid, 100 + run], run_id=run, plan=1,
+                                              program=program, peers={"w1": "w1"}))  # fmt: skip
+            sent = hostile.run([["send", [0], "w0"]], [vid], run_id=run, plan=2, program=program,
+                               peers={"w0": "w0"})  # fmt: skip
             peer.send("w1", sent)
             return peer.reply(rid)
 
@@ -179,3 +181,17 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
         assert reply["error"]["op"] == "aten::mul.Tensor"
         assert state["mallory/s"].ops_run == ops_run  # refused before it ran
         assert len(meta_runs) == 2  # a new layout: worked out anew
+
+
+def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
+    state = session.Session("alice/s", "alice")
+    key = (1, 11, "w1")  # run 1, value 11, from worker w1
+    state.deliver(key, "mallory", {"forged": True}, bytes(10))  # first, under the same key
+    state.deliver(key, "box-1", {"real": True}, bytes(20))  # w1's identity, as its run names
+    with state.cv:
+        assert state.has_transfer(key, "box-1") and not state.has_transfer(key, "carol")
+        assert state.take(key, "box-1")[0] == {"real": True}
+    assert state.memory() == 0  # the forgery went with it
+    state.deliver(key, "box-1", {"real": True}, bytes(20))  # a resent copy: used already
+    state.deliver(key, "mallory", {"forged": True}, bytes(10))
+    assert state.memory() == 0

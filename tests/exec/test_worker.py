@@ -2,6 +2,8 @@
 
 Each test drives a live `gg.local_grid` worker with hand-made requests from an endpoint of
 its own (`Peer`), beside the grid's ordinary client, and checks values against plain torch.
+Transfers between workers: a run names the identity of each worker it sends to or receives
+from (`peers`), and a worker takes a transfer only from that identity.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import torch
 from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
+from gridgraph.exec import wire
+from gridgraph.exec.client import Client
+from gridgraph.exec.grid import Grid
+from gridgraph.exec.transport import LocalBus
+from gridgraph.exec.worker import Worker
 from gridgraph.schedule.plan import Slot
 
 # --- exactly once ----------------------------------------------------------------------------
@@ -203,10 +210,57 @@ def test_a_failed_run_tells_the_worker_waiting_for_its_grouped_send(local_grid):
     peer = Peer(local_grid)
     put = {"kind": "put", "values": [[1, torch.ones(2)], [2, torch.ones(3)]]}
     assert peer.request("w0", put)["ok"]
-    rid = peer.send("w1", hostile.run([["recv", [0, 1], "w0"], ["return", 0]], [1, 2], run_id=5))
+    recv = [["recv", [0, 1], "w0"], ["return", 0]]
+    rid = peer.send("w1", hostile.run(recv, [1, 2], run_id=5, peers={"w0": "w0"}))
     fails = [hostile.call("aten::neg.default", [Slot(2)], [3]), ["send", [0, 1], "w1"]]
-    peer.send("w0", hostile.run(fails, [1, 2, 9, 10], run_id=5))  # %9: not stored here
+    peer.send("w0", hostile.run(fails, [1, 2, 9, 10], run_id=5, peers={"w1": "w1"}))  # %9: absent
     reply = peer.reply(rid)  # (the peer drops the replies it does not wait for: w0's)
     assert not reply["ok"] and reply["error"]["upstream"], reply
     assert "%1, %2 from w0" in reply["error"]["message"]
     assert peer.request("w1", {"kind": "stats"})["objects"] == 0
+
+
+# --- transfers: only between the identities the client names ---------------------------------
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "executor"])
+def test_a_recv_takes_only_the_transfer_of_the_identity_the_client_names(isolate):
+    """Worker w1's endpoint is `box-1`, as the client knows it. An impostor whose identity is
+    the bare name `w1` (what w0 would assume on its own) sends w0 transfers "from w1" for the
+    client's next runs before the client runs anything: w0 uses none of them, and they, under
+    the same keys and earlier, do not keep it from taking box-1's."""
+    bus = LocalBus()
+    workers = [Worker("w0", bus.endpoint("w0"), isolate=isolate),
+               Worker("w1", bus.endpoint("box-1"), isolate=isolate)]  # fmt: skip
+    client = Client(bus.endpoint("alice"), ["w0", "w1"])
+    with Grid(client, on_close=lambda: [w.close() for w in workers]) as grid:
+        w0, w1 = grid.workers
+        a = torch.randn(16)
+        x = a.send(w1)
+        impostor = hostile.Peer(bus.endpoint("w1"))
+        for run_id in range(1, 10):
+            forged = {"kind": "transfer", "client": f"alice/{client.session}", "run": run_id,
+                      "src": "w1", "values": [x._vid],
+                      "tensors": [torch.full((16,), 42.0)]}  # fmt: skip
+            impostor.publish("w0", wire.encode(forged))
+        with gg.trace(), gg.on(w0):
+            z = x * 2
+        assert torch.equal(z.get(), a * 2)
+        assert torch.equal((z + x).get(), a * 3)
+
+
+def test_a_run_must_name_the_identity_of_every_worker_it_sends_to_or_receives_from(local_grid):
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+    sends = [["send", [0], "w1"]]
+    unnamed = [None, {}, {"w2": "w2"}, {"w1": 5}, {"w1": ""}, "w1", [["w1", "w1"]]]
+    for peers in unnamed:
+        reply = peer.request("w0", hostile.run(sends, [1], peers=peers))
+        assert not reply["ok"] and "peers" in reply["error"]["message"], (peers, reply)
+    assert "mallory/s" not in local_grid.local_workers[1].sessions  # nothing was sent
+    assert peer.request("w0", hostile.run(sends, [1], peers={"w1": "w1"}))["ok"]
+    inbox = local_grid.local_workers[1].sessions["mallory/s"]
+    assert inbox.memory() > 0  # the transfer waits there for a run of w1 to take it
+    again = hostile.run(sends, [1], run_id=2, program=False)  # the cached program, unnamed
+    reply = peer.request("w0", again)
+    assert not reply["ok"] and "peers" in reply["error"]["message"], reply

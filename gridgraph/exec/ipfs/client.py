@@ -1,11 +1,12 @@
 """The client side of a grid over Kubo: `connect()`, and the keep-alive that holds its lease.
 
-A client finds workers through the discovery topic (discovery.py), pins the process instance
-behind each name, and pings (a `stats` request, which workers leave out of the traffic counts)
-every worker at a third of the workers' lease, so an idle but open grid keeps its tensors; a
-client silent past the lease has them freed. PubSub loses a message now and then: clients
-resend requests after `retry_after` (0.5 s, backing off); every resent message carries its
-original id, so nothing runs twice.
+A client finds workers through the discovery topic (discovery.py), pins the endpoint and
+process instance behind each name (its messages for that name, and the identities its runs
+name for it, stay those of the worker it connected to), and pings (a `stats` request, which
+workers leave out of the traffic counts) every worker at a third of the workers' lease, so
+an idle but open grid keeps its tensors; a client silent past the lease has them freed.
+PubSub loses a message now and then: clients resend requests after `retry_after` (0.5 s,
+backing off); every resent message carries its original id, so nothing runs twice.
 
 Example:
     # shell: gridgraph ipfs up --nodes 3 --root /tmp/swarm; one `gridgraph worker` per node

@@ -10,12 +10,17 @@ last heard. Policy:
   waiting on a dead worker raises `WorkerLost` (Client polls `alive` every 0.25 s), so a
   killed worker is noticed in DEAD_AFTER + ~1 s;
 - a name belongs to the first peer that announces it; another peer claiming it while the
-  owner is alive is ignored (and logged), so no peer can hijack a live worker's transfers;
-- a client pins the instance it connected to: a worker restarted under the same name has lost
-  its tensors, so to that client it is lost too.
+  owner is alive is ignored (and logged). Once the owner has been silent for DEAD_AFTER,
+  anyone may claim it, so two directories can disagree on who `w` is;
+- a client pins the worker it connected to (its identity and process instance): a worker
+  restarted under the same name has lost its tensors, and a peer that took the name later is
+  not that worker, so to that client either is lost, and nothing of the client's is sealed
+  for it.
 
-Workers use their Directory to check that a transfer claiming to come from worker `w` was
-published by `w`'s peer.
+Only a client's directory says who a worker is, and only to that client: its runs name the
+identity of each worker they involve, and workers send and take transfers between those
+identities only (worker.py). A worker's own directory serves its rival check at start and
+says whether another worker still answers; a peer that owns a name there gets nothing.
 
 Identities: on a GridTransport a sender is "<peer ID>~<public key>" (gridgraph.exec.secure):
 the directory keeps it whole, so messages for worker `w` are sealed for the key `w`
@@ -137,7 +142,7 @@ class Directory:
         self.trust = trust  # None: an open grid, any peer may announce a worker
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
-        self._pinned: dict[str, str] = {}  # name -> instance this client connected to
+        self._pinned: dict[str, Seen] = {}  # name -> what this client connected to
         self._warned: set[tuple[str, str]] = set()
         self._cv = threading.Condition()
 
@@ -193,17 +198,21 @@ class Directory:
             return sorted(n for n, s in self._seen.items() if self._fresh(s, now))
 
     def alive(self, name: str) -> bool:
-        """Heard lately, and (once pinned) still the same process."""
+        """Heard lately, and (once pinned) still the same process of the same endpoint."""
         with self._cv:
             seen = self._seen.get(name)
             if seen is None or not self._fresh(seen, time.monotonic()):
                 return False
-            return self._pinned.get(name, seen.instance) == seen.instance
+            pinned = self._pinned.get(name, seen)
+            return (pinned.identity, pinned.instance) == (seen.identity, seen.instance)
 
     def identity(self, name: str, wait: float = 0.0) -> str | None:
-        """The peer id of worker `name`, waiting up to `wait` s to hear of it; None if unknown."""
+        """The identity of worker `name`: the pinned one once pinned, else the one that owns
+        the name now, waiting up to `wait` s to hear of it; None if unknown."""
         deadline = time.monotonic() + wait
         with self._cv:
+            if name in self._pinned:
+                return self._pinned[name].identity
             while name not in self._seen and time.monotonic() < deadline:
                 self._cv.wait(deadline - time.monotonic())
             seen = self._seen.get(name)
@@ -222,10 +231,11 @@ class Directory:
             )
 
     def pin(self, names: list[str]) -> None:
-        """Remember which process answers to each name; a later one counts as a lost worker."""
+        """Remember which endpoint and process answer to each name: messages for that name
+        stay sealed for that endpoint, and another one counts as a lost worker."""
         with self._cv:
             for n in names:
-                self._pinned[n] = self._seen[n].instance
+                self._pinned[n] = self._seen[n]
 
     def wait(
         self,

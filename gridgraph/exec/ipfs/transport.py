@@ -12,10 +12,13 @@ Two layers, one class each:
 - `GridTransport` is what gridgraph runs on: every message sealed end to end for the one
   endpoint that subscribes to its topic (gridgraph.exec.secure: X25519 keys bound to the
   libp2p peer IDs Kubo signs, AES-GCM, replays dropped). What it adds:
-  - receivers: `gridgraph.worker.NAME` is sealed for the worker that owns NAME in `directory`
-    (its key came in its signed heartbeat); `gridgraph.client.IDENTITY.SESSION` and
-    `gridgraph.ack.IDENTITY` for the endpoint named in the topic; the discovery topic stays
-    readable by all (heartbeats), each message carrying the sender's public key;
+  - receivers: a message is sealed for the identity its publisher gives (`to`), else for
+    the one the topic names: `gridgraph.worker.NAME` for the worker that owns NAME in
+    `directory` (its key came in its signed heartbeat; a client's directory honours its
+    `trust` and pins), `gridgraph.client.IDENTITY.SESSION` and `gridgraph.ack.IDENTITY` for
+    the endpoint named in the topic. Workers send transfers `to` the identity the client named
+    in the run, and need no directory for that; the discovery topic stays readable by all
+    (heartbeats), each message carrying the sender's public key;
   - topics on the wire are hashes of these names (`secure.blind_topic`), so neither client
     identities nor sessions appear in the clear; a sealed message shows its sender's public
     key, a counter and ciphertext, nothing else;
@@ -160,7 +163,10 @@ class IpfsTransport(Transport):
 
     # --- sending ---------------------------------------------------------------------------
 
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+    def publish(
+        self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
+    ) -> None:
+        """Publish in plaintext: every subscriber reads it, whatever `to` says."""
         if self._closed.is_set():
             raise RuntimeError(f"transport {self.identity} is closed")
         payload = bytes(payload)
@@ -374,10 +380,10 @@ class GridTransport(IpfsTransport):
 
     `identity` is "<peer ID>~<this endpoint's public key>" (secure.Channel). `directory`
     (discovery.Directory) says which endpoint owns a worker name; set it before publishing
-    to a worker topic. Also works around Kubo's concurrent validation: a publish refused with
-    "validation ignored" (two threads or processes publishing through one node at once) never
-    went out, and is sent again. A large payload sent again to the same receiver before it
-    acknowledged the first copy reuses the blocks.
+    to a worker topic without naming the receiver (`to`). Also works around Kubo's concurrent
+    validation: a publish refused with "validation ignored" (two threads or processes
+    publishing through one node at once) never went out, and is sent again. A large payload
+    sent again to the same receiver before it acknowledged the first copy reuses the blocks.
     """
 
     def __init__(
@@ -417,14 +423,17 @@ class GridTransport(IpfsTransport):
     def wire_topic(self, topic: str) -> str:
         return topic if topic == DISCOVERY_TOPIC else secure.blind_topic(topic)
 
-    def publish(self, topic: str, payload: bytes, counted: bool = True) -> None:
+    def publish(
+        self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
+    ) -> None:
+        """Seal `payload` for `to`, else for `recipient(topic)`, and publish it."""
         if self._closed.is_set():
             raise RuntimeError(f"transport {self.identity} is closed")
         blocked = 0
         if topic == DISCOVERY_TOPIC:
             message = self.channel.announcement(bytes(payload))
         else:
-            receiver = self.recipient(topic)
+            receiver = to if to is not None else self.recipient(topic)
             if receiver is None:
                 raise KuboError(f"no known receiver for topic {topic!r}: nothing sent")
             if len(payload) <= INLINE_MAX:

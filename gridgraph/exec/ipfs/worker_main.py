@@ -4,6 +4,10 @@ It announces itself on the discovery topic every `heartbeat` s (and at once when
 asks), refuses to start under a name a live worker already holds, serves requests with a
 `Worker` (gridgraph.exec.worker) over a `WorkerTransport`, frees the tensors of clients silent
 past their lease, and says goodbye on the discovery topic when it stops (SIGTERM/SIGINT).
+
+Its discovery directory serves the rival check and says whether another worker is still alive
+(a recv from a dead one fails at once); it never says who another worker is: each run names
+the identities of the workers it sends to and receives from (worker.py).
 """
 
 from __future__ import annotations
@@ -83,8 +87,10 @@ def _serve_as_worker(
     instance = uuid.uuid4().hex[:12]
     asked = threading.Event()  # a client asked for announcements (or we are stopping)
     threading.Thread(target=lambda: (stop.wait(), asked.set()), daemon=True).start()
+    # Who else is alive, and whether a rival holds our name. Not whom to send transfers to, nor
+    # whom to take them from: each run names those identities (worker.py), and the transport
+    # has no directory, so nothing goes to a worker topic without one.
     directory = Directory(on_discover=asked.set, trust=transport.allow)  # private: allowed only
-    transport.directory = directory  # whom to seal transfers to other workers for
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
     # Executors fork from a server that imports torch first: start it now, not on a client's
     # first request (pings, as `connect` sends, are answered without it meanwhile).
@@ -108,9 +114,6 @@ def _serve_as_worker(
         recv_timeout=recv_timeout,
         limits=limits,
         isolate=isolate,
-        # never waits: it runs on the transport's reader thread (a transfer from a worker not
-        # heard of yet is dropped, and the receiver asks for it again)
-        peer_identity=directory.identity,
         peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
     )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
