@@ -284,7 +284,7 @@ class _Walk:
                 )
             if a.layout != torch.strided:
                 raise RecordError(f"tensors with layout {a.layout} are not supported")
-            const = Const(as_sent(a))
+            const = Const(as_sent(a, copy=True), a)  # its value now: the op may run later
             self.key.append(("const", TensorMeta.of(const.tensor)))
             self.params.append(const.tensor)
             return const

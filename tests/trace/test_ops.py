@@ -270,6 +270,18 @@ def test_ops_that_change_shapes_in_place_inside(local_grid, traced):
     check(local_grid, fn, r(3), r(3, 4), r(64), traced=traced)
 
 
+def test_a_local_tensor_mixed_in_is_its_value_at_the_call(local_grid):
+    """A traced op runs later than torch would run it: a local tensor mixed into it must be
+    the value it had at the call, even when the user writes to it before the op runs."""
+    base, scale = r(3, 4), torch.ones(4)
+    p = gg.send(base.clone(), local_grid.workers[0])
+    with gg.trace():
+        got = p * scale
+        p.add_(scale)
+    scale.mul_(5)  # before anything ran
+    torch.testing.assert_close((got.get(), p.get()), (base, base + 1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_keyword_arguments_are_told_apart(local_grid, traced):
     """torch drops keyword arguments equal to their default, so right=True and
