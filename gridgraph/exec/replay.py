@@ -45,18 +45,21 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
 from gridgraph.exec.client import CLIENTS, Client, _Cell
 from gridgraph.schedule.plan import Plan, run_params
+from gridgraph.trace.graph import Const, Node
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import trace, user_frame
@@ -105,7 +108,14 @@ class Compiled:
         if getattr(_recording, "active", False):
             return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
         flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
-        key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat], _aliases(flat))
+        key = (
+            len(args),
+            tuple(sorted(kwargs)),
+            *[_guard(a) for a in flat],
+            _aliases(flat),
+            torch.is_grad_enabled(),  # a step with .backward() raises under no_grad
+            torch.is_inference_mode_enabled(),
+        )
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry()
@@ -223,6 +233,8 @@ class _Recording:
         self.arg_cells = {i: a._cell for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         self.params = run_params(self.nodes)
         self.param_snaps = [_snapshot(p) for p in self.params]
+        # The user's own tensor behind each local tensor parameter (None for a float).
+        self.param_sources = [s for n in self.nodes for s in _param_sources(n)]
         self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
                             for n in self.nodes for _ in n.params]  # fmt: skip
         self.watched: tuple[list, list] = ([], [])
@@ -244,6 +256,7 @@ class _Recording:
         accounted: set[int] = set()
         self.rebinds: list[tuple[Source, int, TensorMeta | None]] = []
         self.grads: list[tuple[Source, int]] = []
+        grads_changed = False  # whether a backward pass inside the step reached a leaf
         for vid0, cell in self.start.items():
             if cell.vid != vid0 and cell.vid is not None:
                 if cell.vid not in self.produced:
@@ -258,8 +271,19 @@ class _Recording:
                 if isinstance(g, RemoteTensor) and id(g._cell) in new_cells:
                     self.grads.append((self.source(vid0), g._vid))
                     accounted.add(id(g._cell))
+                    grads_changed = True
+                elif isinstance(g, RemoteTensor) and g._vid != self.start_vid.get(id(g._cell)):
+                    grads_changed = True  # accumulated into
         self.new_returns: list[int] = []
+        self.attached = False  # whether a returned pointer requires grad
         self.returns = self._template(result, new_cells, accounted)
+        if self.attached and not grads_changed:
+            self._not(
+                "the step returns a tensor that requires grad and runs no backward pass: a "
+                "replay's results are detached, so a backward through them would miss the "
+                "step's parameters. Call it under torch.no_grad(), return .detach(), or run "
+                "the backward inside the step"
+            )
         for key in new_cells:
             if key not in accounted:
                 self._not(
@@ -277,6 +301,7 @@ class _Recording:
                 self._not("the step returns a pointer of another grid")
             elif id(cell) in new_cells and obj._vid in self.produced:
                 accounted.add(id(cell))
+                self.attached = self.attached or obj.requires_grad
                 self.new_returns.append(obj._vid)
                 return ("new", len(self.new_returns) - 1)
             elif id(cell) in self.start_vid:
@@ -313,7 +338,8 @@ class _Recording:
         self.n_slots = len(slots)
         worker_of = {v: w for n, w in zip(self.nodes, plan.node_workers) for v in n.outputs}
         first_with: dict[int, int] = {}  # storage -> first slot on it
-        # (slot, source, (meta, location, first slot on its storage)) of each external input.
+        # (slot, source, (meta, location, first slot on its storage, autograd state)) of each
+        # external input.
         self.inputs: list[tuple[int, Source, tuple]] = []
         # (slot, meta, first slot on its storage, worker) of each value the step makes.
         self.outputs: list[tuple[int, TensorMeta, int, str]] = []
@@ -328,7 +354,9 @@ class _Recording:
                 source = self.source(vid)
                 if source is None:
                     self._not(f"the step reads %{vid}, which no pointer names")
-                self.inputs.append((s, source, (meta, location, first)))
+                cell = self.arg_cells.get(source) if type(source) is int else source
+                grad = _autograd_state(cell.ref() if cell is not None else None)
+                self.inputs.append((s, source, (meta, location, first, grad)))
         self.kept = frozenset(s for s, v in enumerate(slots) if v in values)
         self.rebinds = [(src, slot_of[v], m) for src, v, m in self.rebinds if v in slot_of]
         self.grads = [(src, slot_of[v]) for src, v in self.grads if v in slot_of]
@@ -391,6 +419,13 @@ class _Replay:
         # Float and tensor arguments the ops do not take as they are: frozen.
         self.fixed = [(i, rec.args[i]) for i, a in enumerate(rec.args)
                       if a is not None and i not in used]  # fmt: skip
+        # Constant local tensors that are one tensor of the user's in both recordings (a
+        # closure's): sent as they are at each call, as torch would read them then.
+        taken = {k for k, _, _ in self.from_args}
+        self.sources = [(k, src, TensorMeta.of(as_sent(src)))
+                        for k, (src, before) in enumerate(zip(rec.param_sources,
+                                                              previous.param_sources))
+                        if k not in taken and src is not None and src is before]  # fmt: skip
         self.same_pointers = [(i, cell) for i, cell in rec.arg_cells.items()
                               if previous.arg_cells.get(i) is cell]  # fmt: skip
 
@@ -404,6 +439,9 @@ class _Replay:
                 return False
         for i, snap in self.fixed:
             if not _same(snap, _snapshot(flat[i])):
+                return False
+        for _, src, meta in self.sources:
+            if TensorMeta.of(as_sent(src)) != meta:
                 return False
         return _state(rec.watched) == rec.state
 
@@ -419,7 +457,7 @@ class _Replay:
             slots = [0] * rec.n_slots
             storage_at: dict[int, int] = {}
             first_on: dict[int, int] = {}  # storage -> first slot on it
-            for s, src, (meta, location, first) in rec.inputs:
+            for s, src, (meta, location, first, grad) in rec.inputs:
                 cell = flat[src]._cell if type(src) is int else src
                 vid = cell.vid
                 value = values.get(vid)
@@ -429,6 +467,7 @@ class _Replay:
                     or value.meta != meta
                     or value.location != location
                     or first_on.setdefault(value.storage, s) != first
+                    or _autograd_state(cell.ref()) != grad
                 ):
                     return _MISS
                 if vid in failed:
@@ -442,6 +481,8 @@ class _Replay:
             params = list(self.params)
             for k, i, is_tensor in self.from_args:
                 params[k] = as_sent(flat[i]) if is_tensor else flat[i]
+            for k, src, _ in self.sources:
+                params[k] = as_sent(src)
             try:
                 replies = client._run_plan(rec.plan, slots, params, rec.where)
             except (RemoteError, WorkerLost) as e:
@@ -466,7 +507,7 @@ class _Replay:
                                 location=None if error else worker)  # fmt: skip
                 if error is not None:
                     client.failed[vid] = error
-        for s, _, (_, location, _) in rec.inputs:
+        for s, _, (_, location, _, _) in rec.inputs:
             if s not in rec.kept:
                 graph.values.pop(slots[s], None)
                 if error is not None and location is not None:
@@ -576,14 +617,82 @@ def _show(snap: Any) -> str:
     return repr(snap)
 
 
+class _Is:
+    """Equal to another `_Is` of the same live object (identity, without keeping it alive:
+    a replaced parameter may be freed and its id reused)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, obj: Any) -> None:
+        self.ref = weakref.ref(obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Is and (obj := self.ref()) is not None and obj is other.ref()
+
+    __hash__ = None
+
+
+def _identities(objects: Any) -> tuple:
+    return tuple(None if x is None else _Is(x) for x in objects)
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _state(watched: tuple[list, list]) -> tuple:
     """The Python state a step's ops depend on that we can see: modules' train/eval mode,
-    and each optimizer's hyperparameters (an LR scheduler changes `lr`)."""
+    parameters, buffers, submodules and hooks (global ones too), and each optimizer's
+    hyperparameters (an LR scheduler changes `lr`) and parameters."""
     modules, optimizers = watched
+    mods = tuple(
+        (
+            m.training,
+            tuple(m._parameters),
+            _identities(m._parameters.values()),
+            tuple(m._buffers),
+            _identities(m._buffers.values()),
+            tuple(m._modules),
+            _identities(m._modules.values()),
+            *(tuple(getattr(m, hooks, ())) for hooks in _MODULE_HOOKS),
+        )  # fmt: skip
+        for m in modules
+    )
     groups = tuple(
         tuple((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))
-        + (len(g["params"]),)
+        + (_identities(g["params"]),)
         for o in optimizers
         for g in o.param_groups
     )
-    return tuple(m.training for m in modules), groups
+    hooks = tuple(tuple(getattr(nn_module, f"_global{h}")) for h in _MODULE_HOOKS)
+    return mods, groups, hooks if modules else ()
+
+
+def _autograd_state(p: RemoteTensor | None) -> tuple | None:
+    """What autograd does with a pointer a step reads: whether it takes a gradient, and the
+    hooks it runs on it."""
+    if p is None:
+        return None
+    return (
+        p.requires_grad,
+        tuple(p._backward_hooks or ()),
+        tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()),
+    )
+
+
+def _param_sources(node: Node) -> list[torch.Tensor | None]:
+    """The user's tensor behind each of a node's parameters (None for a float), in the order
+    recording walked its arguments."""
+    found: list[torch.Tensor | None] = []
+
+    def walk(a: Any) -> None:
+        if type(a) is Const:
+            found.append(a.source)
+        elif type(a) is float:
+            found.append(None)
+        elif isinstance(a, list):
+            for x in a:
+                walk(x)
+
+    for a in (*node.args, *node.kwargs.values()):
+        walk(a)
+    return found if len(found) == len(node.params) else [None] * len(node.params)

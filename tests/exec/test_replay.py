@@ -200,6 +200,7 @@ def test_new_batch_shape_records_again(local_grid):
     assert (step.recordings, step.replays) == (5, 3)
 
 
+@torch.no_grad()  # a forward pass alone replays only where its results need no grad_fn
 def test_model_eval_mode_is_guarded(local_grid):
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).send(local_grid.workers[0])
     x = torch.randn(2, 4).send(local_grid.workers[0])
@@ -332,3 +333,76 @@ def test_python_ints_that_shape_the_ops_are_guards(local_grid):
         want = torch.arange(6.0).reshape(2, 3).sum(dim) * scale
         assert torch.equal(reduce(p, dim, scale).get(), want)
     assert (reduce.recordings, reduce.replays) == (5, 2)
+
+
+def test_changes_to_the_model_between_calls_are_seen(local_grid):
+    """A hook registered, a layer replaced, a parameter frozen: each changes what the step
+    computes without changing its arguments, so the next call records again."""
+    torch.manual_seed(0)
+    plain = mlp()
+    model = copy.deepcopy(plain).send(local_grid.workers[0])
+    opts = {"plain": torch.optim.SGD(plain.parameters(), lr=0.1),
+            "grid": torch.optim.SGD(model.parameters(), lr=0.1)}  # fmt: skip
+    X, Y = torch.randn(8, 13), torch.randn(8, 1)
+    x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
+    step = gg.compile(lambda x, y: train_step(model, opts["grid"], x, y))
+    changes = {
+        3: lambda m: m[0].register_forward_hook(lambda mod, inp, out: out * 2),
+        6: lambda m: m.__setitem__(2, nn.Linear(64, 1).requires_grad_(False)),
+        9: lambda m: m[0].weight.requires_grad_(False),
+    }
+    for i in range(12):
+        if i in changes:
+            torch.manual_seed(i)
+            changes[i](plain)
+            torch.manual_seed(i)
+            changes[i](model)
+            if i == 6:
+                model[2].send(local_grid.workers[0])
+        want = train_step(plain, opts["plain"], X, Y).item()
+        assert step(x, y).item() == want, i
+        assert torch.equal(model[0].weight.get(), plain[0].weight.detach()), i
+    assert step.replays == 4  # calls 2, 5, 8 and 11: each change recorded twice again
+
+
+def test_grad_mode_is_guarded(local_grid):
+    model = nn.Linear(4, 1).send(local_grid.workers[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4).send(local_grid.workers[0])
+    step = gg.compile(lambda x: train_step(model, opt, x, torch.zeros(2, 1)))
+    for _ in range(3):
+        step(x)
+    assert step.replays == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        step(x)  # as torch: no graph to run backward through
+    forward = gg.compile(lambda x: model(x))
+    for _ in range(3):
+        out = forward(x)
+        assert out.requires_grad and out.grad_fn is not None  # as torch: attached
+    assert forward.replays == 0 and "requires grad" in forward.not_replayable
+    with torch.no_grad():
+        for _ in range(3):
+            want = model(x).get()
+            assert torch.equal(forward(x).get(), want)
+    assert forward.replays == 1
+
+
+def test_local_tensors_the_step_reads_are_read_at_each_call(local_grid):
+    """A local tensor of the user's that the step mixes into its ops (through a closure) is
+    sent as it is at each call, contiguous or not."""
+    p = torch.zeros(3).send(local_grid.workers[0])
+    ref = torch.zeros(3)
+    scale, columns = torch.ones(3), torch.ones(3, 2)
+    shift = columns[:, 0]  # not contiguous: sending it makes a copy
+
+    @gg.compile
+    def step():
+        return p.mul_(scale).add_(shift).sum()
+
+    for i in range(6):
+        total = step()
+        ref.mul_(scale).add_(shift)
+        assert total.item() == ref.sum().item() and torch.equal(p.get(), ref)
+        if i >= 2:  # between calls, once replays began (a change between the two
+            scale.add_(i % 2), columns.mul_(2)  # recordings is refused: not an argument)
+    assert step.replays == 4
