@@ -304,7 +304,10 @@ class _Walk:
         if type(a) is float:
             self.key.append(float)
             self.params.append(a)
-            self.floats.append(a)
+            self.floats.append(a if a == a else "nan")  # NaN != NaN: one key for every NaN
+            return a
+        if type(a) is complex:  # in the plan, not a parameter: 0j and -0j must differ
+            self.key.append((complex, a.real.hex(), a.imag.hex()))
             return a
         self.key.append((type(a), a))
         return a

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import gridgraph as gg
+from gridgraph.trace import record
 
 
 def _get(out):
@@ -319,6 +320,35 @@ def test_one_op_on_inputs_that_differ_only_in_layout_or_scalars(local_grid, trac
             (w.shape, w.stride(), w.dtype) for w in want
         ]
         torch.testing.assert_close(_get(got), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_complex_scalars_are_told_apart_bit_for_bit(local_grid, traced):
+    """A complex scalar is part of the plan: 0j and -0j, equal in Python, must not share
+    one, or the signs of zero in the result are the first call's."""
+    a = _complex(4)
+    p = gg.send(a, local_grid.workers[0])
+    for c in (0j, complex(0.0, -0.0), complex(-0.0, 0.0), complex(-0.0, -0.0)):
+        want = torch.view_as_real(a * c)
+        with gg.trace() if traced else contextlib.nullcontext():
+            got = torch.view_as_real(p * c)
+        assert torch.equal(got.get().signbit(), want.signbit()), c
+
+
+def test_a_nan_scalar_adds_nothing_to_the_caches_per_call(local_grid):
+    """NaN is unequal to itself: kept as it is in a cache key, each call adds an entry."""
+    x, z = r(4), _complex(4)
+    px, pz = gg.send(x, local_grid.workers[0]), gg.send(z, local_grid.workers[0])
+
+    def fn(x, z):
+        return x.clamp(max=float("nan")), z * complex("nan+1j")
+
+    torch.testing.assert_close(_get(fn(px, pz)), fn(x, z), equal_nan=True)
+    cached = len(record._recipes), len(record._signatures)
+    for _ in range(5):
+        with gg.trace():
+            fn(px, pz)
+    assert (len(record._recipes), len(record._signatures)) == cached
 
 
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
