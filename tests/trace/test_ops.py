@@ -199,6 +199,28 @@ def test_mutation_matches_torch(grid, fn, inputs, traced):
     check(grid, fn, *inputs, traced=traced, exact=True)
 
 
+def _set_data(a, b):
+    a.data = b.t()  # another shape and layout: `a` now shares b's storage
+    b.add_(1)
+    return a * 1, a.mul_(3), b
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_setting_data_matches_torch(grid, traced):
+    """`p.data = q` makes p name q's value (it named its old one, silently), as
+    `model.double()` relies on."""
+    check(grid, _set_data, r(2, 3), r(3, 2), traced=traced, exact=True)
+    model = torch.nn.Linear(3, 2)
+    sent = gg.send(torch.nn.Linear(3, 2), grid.workers[0])
+    sent.load_state_dict(model.state_dict())
+    x = r(4, 3).double()
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = sent.double()(gg.send(x, grid.workers[1]))
+    torch.testing.assert_close(got.get(), model.double()(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="send t first"):
+        sent.weight.data = torch.zeros(2, 3)
+
+
 def _complex(*shape):
     return torch.randn(*shape, dtype=torch.complex64, generator=g)
 
