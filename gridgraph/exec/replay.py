@@ -33,6 +33,9 @@ Policy:
 5. Refused while recording, with `GridError` naming the user's line: reading a remote value
    in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
    sending tensors inside `fn`. Pointers of two grids in one step are refused too.
+6. Compiled calls run one at a time, whatever the thread (a recording takes every op
+   pending on the client as its step); another thread's request or read during a recording
+   waits until the step has run.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
 float or tensor, other than modules' train/eval mode and optimizer hyperparameters (which
@@ -71,6 +74,8 @@ MAX_GUARDS = 16  # argument guards per compiled function
 
 _MISS = object()  # a replay's checks failed: record this call instead
 _recording = threading.local()  # `active`: a compiled step is being recorded on this thread
+# One compiled call at a time: a recording takes every op pending on the client as its step.
+_calls = threading.RLock()
 
 Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
 
@@ -107,6 +112,10 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_recording, "active", False):
             return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
+        with _calls:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
         key = (
             len(args),
@@ -163,6 +172,9 @@ class Compiled:
         name = self.__name__
 
         def refuse(what: str) -> None:
+            if not getattr(_recording, "active", False):
+                with _calls:  # another thread's: it runs once this step is recorded and run
+                    return
             raise GridError(
                 f"gg.compile({name}): {what} at {user_frame()}: a compiled step cannot branch "
                 "on or wait for remote values; compute with tensors instead, or do this "

@@ -9,6 +9,7 @@ equal to plain torch.
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import pytest
@@ -406,3 +407,28 @@ def test_local_tensors_the_step_reads_are_read_at_each_call(local_grid):
         if i >= 2:  # between calls, once replays began (a change between the two
             scale.add_(i % 2), columns.mul_(2)  # recordings is refused: not an argument)
     assert step.replays == 4
+
+
+def test_compiled_steps_called_from_threads(local_grid):
+    """Steps compiled and called on several threads at once, on one grid: each thread's
+    results are its own, as in torch (recordings on one client used to mix)."""
+    results: dict[int, list] = {}
+
+    def run(k: int) -> None:
+        p = torch.zeros(4).send(local_grid.workers[k])
+        ref = torch.zeros(4)
+        step = gg.compile(lambda s: p.add_(s).mul(2))
+        got = []
+        try:
+            for i in range(30):
+                got.append(torch.equal(step(float(i % 3 + k)).get(), ref.add_(i % 3 + k) * 2))
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread's number
+            got.append(e)
+        results[k] = got
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {k: [True] * 30 for k in range(3)}
