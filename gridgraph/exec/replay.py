@@ -2,8 +2,10 @@
 
 State, per compiled function: `_entries`, keyed by the guard of a call's arguments (their
 types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
-strings and shapes by value; other objects by identity), each holding the latest recording
-made under that guard and the replays built from it (at most `MAX_REPLAYS`).
+strings and shapes by value; what lists, tuples and dicts hold, as arguments of their own;
+other objects by identity, held so that their ids stay theirs; grad mode), each holding the
+latest recording made under that guard and the replays built from it (at most
+`MAX_REPLAYS`).
 
 Policy:
 1. A call whose guard has a replay whose checks pass (the same modules in the same
@@ -116,7 +118,7 @@ class Compiled:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
+        flat = _flatten([*args, *(kwargs[k] for k in sorted(kwargs))])
         key = (
             len(args),
             tuple(sorted(kwargs)),
@@ -127,7 +129,8 @@ class Compiled:
         )
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            # Objects guarded by identity are held, so that no other object takes their id.
+            entry = self._entries[key] = _Entry([a for a in flat if _by_identity(a)])
             while len(self._entries) > MAX_GUARDS:
                 self._entries.popitem(last=False)
         for replay in entry.replays:
@@ -220,6 +223,7 @@ class Compiled:
 class _Entry:
     """The calls under one argument guard: the latest recording, and replays."""
 
+    held: list[Any]
     last: _Recording | None = None
     replays: list[_Replay] = field(default_factory=list)
 
@@ -565,8 +569,33 @@ def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:
 # --- guards and snapshots -------------------------------------------------------------------
 
 
+def _flatten(top: list) -> list:
+    """The arguments, then what the lists, tuples and dicts among them hold (outer levels
+    first): a pointer, tensor or float in a container is guarded and read as an argument."""
+    flat, seen = list(top), set()
+    for a in flat:  # grows as it goes
+        if isinstance(a, (list, tuple, dict)) and id(a) not in seen:
+            seen.add(id(a))
+            flat.extend(a.values() if isinstance(a, dict) else a)
+    return flat
+
+
+_BY_VALUE = (int, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _by_identity(a: Any) -> bool:
+    """Whether an argument is guarded by identity (an object of the user's)."""
+    return not (
+        a is None
+        or isinstance(a, (torch.Tensor, list, tuple, dict))
+        or type(a) in (float, complex)
+        or type(a) in _BY_VALUE
+    )
+
+
 def _guard(a: Any) -> Any:
-    """What of an argument a recording depends on (its value only where it shapes the ops)."""
+    """What of an argument a recording depends on (its value only where it shapes the ops).
+    A container's items are arguments of their own (`_flatten`): here, its structure."""
     t = type(a)
     if isinstance(a, RemoteTensor):
         value = a._owner.graph.values.get(a._vid)
@@ -576,12 +605,14 @@ def _guard(a: Any) -> Any:
         return (torch.Tensor, TensorMeta.of(a), a.requires_grad)
     if t is float:
         return float
-    if t in (int, bool, str, complex) or a is None:
+    if t is complex:  # in the plan: 0j and -0j differ
+        return (t, a.real.hex(), a.imag.hex())
+    if a is None or t in _BY_VALUE:
         return (t, a)
     if isinstance(a, (tuple, list)):
-        return (t, *[_guard(x) if type(x) is not float else (float, x) for x in a])
-    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return a
+        return (t, len(a))
+    if isinstance(a, dict):
+        return (t, tuple(a))
     return (t, id(a))
 
 

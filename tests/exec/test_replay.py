@@ -432,3 +432,26 @@ def test_compiled_steps_called_from_threads(local_grid):
     for t in threads:
         t.join()
     assert results == {k: [True] * 30 for k in range(3)}
+
+
+def test_pointers_inside_list_and_dict_arguments_are_arguments(local_grid):
+    """A pointer passed inside a list or dict is read from each call's container, not the
+    recorded one (which may still be alive)."""
+    w0 = local_grid.workers[0]
+    step = gg.compile(lambda xs, named: xs[0] * 2 + xs[1] - named["z"])
+    values = [torch.randn(3) for _ in range(4)]
+    a, b, c, d = [v.send(w0) for v in values]
+    calls = [(a, b, c)] * 3 + [(c, d, a), (b, a, d), (b, a, d)]
+    for x, y, z in calls:
+        want = x.get() * 2 + y.get() - z.get()
+        assert torch.equal(step([x, y], {"z": z}).get(), want)  # new containers each call
+    assert step.replays == 3
+
+
+def test_complex_arguments_are_guarded_bit_for_bit(local_grid):
+    z = torch.tensor([1 + 1j, -1 - 2j])
+    p = gg.send(z, local_grid.workers[0])
+    step = gg.compile(lambda p, c: p * c)
+    for c in [0j, 0j, 0j, complex(0.0, -0.0), complex(-0.0, -0.0)]:
+        want = torch.view_as_real(z * c)
+        assert torch.equal(torch.view_as_real(step(p, c).get()).signbit(), want.signbit()), c
