@@ -40,9 +40,13 @@ Policy:
    waits until the step has run.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
-float or tensor, other than modules' train/eval mode and optimizer hyperparameters (which
-are guarded), is assumed to stay as it was in the recordings. Pointers a replay returns are
-detached (no `grad_fn`): the backward pass ran inside the step.
+float or tensor, other than what `_state` guards (modules' mode, parameters, buffers,
+submodules and hooks; optimizers' hyperparameters and parameters) and each read pointer's
+`requires_grad` and hooks, is assumed to stay as it was in the recordings; Python effects
+of `fn` besides its ops do not happen. A float argument is matched by value, so Python
+that picks one (`max(lr, floor)`) passes for it while both recordings picked it. Pointers
+a replay returns are detached (no `grad_fn`): the backward pass ran inside the step, and a
+step that returns a tensor requiring grad without one is not replayed.
 """
 
 from __future__ import annotations
