@@ -337,8 +337,8 @@ def test_python_ints_that_shape_the_ops_are_guards(local_grid):
 
 
 def test_changes_to_the_model_between_calls_are_seen(local_grid):
-    """A hook registered, a layer replaced, a parameter frozen: each changes what the step
-    computes without changing its arguments, so the next call records again."""
+    """A hook registered, a layer replaced, a parameter frozen, a gradient hook: each changes
+    what the step computes without changing its arguments, so the next call records again."""
     torch.manual_seed(0)
     plain = mlp()
     model = copy.deepcopy(plain).send(local_grid.workers[0])
@@ -351,8 +351,9 @@ def test_changes_to_the_model_between_calls_are_seen(local_grid):
         3: lambda m: m[0].register_forward_hook(lambda mod, inp, out: out * 2),
         6: lambda m: m.__setitem__(2, nn.Linear(64, 1).requires_grad_(False)),
         9: lambda m: m[0].weight.requires_grad_(False),
+        12: lambda m: m[0].bias.register_hook(lambda g: g.clamp(-0.01, 0.01)),
     }
-    for i in range(12):
+    for i in range(15):
         if i in changes:
             torch.manual_seed(i)
             changes[i](plain)
@@ -363,7 +364,7 @@ def test_changes_to_the_model_between_calls_are_seen(local_grid):
         want = train_step(plain, opts["plain"], X, Y).item()
         assert step(x, y).item() == want, i
         assert torch.equal(model[0].weight.get(), plain[0].weight.detach()), i
-    assert step.replays == 4  # calls 2, 5, 8 and 11: each change recorded twice again
+    assert step.replays == 5  # calls 2, 5, 8, 11 and 14: each change recorded twice again
 
 
 def test_grad_mode_is_guarded(local_grid):
