@@ -3,7 +3,8 @@
 State, per compiled function: `_entries`, keyed by the guard of a call's arguments (their
 types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
 strings and shapes by value; what lists, tuples and dicts hold, as arguments of their own;
-other objects by identity, held so that their ids stay theirs; grad mode), each holding the
+other objects by identity, held so that their ids stay theirs; torch's grad mode, autocast
+and default dtype), each holding the
 latest recording made under that guard and the replays built from it (at most
 `MAX_REPLAYS`).
 
@@ -128,8 +129,7 @@ class Compiled:
             tuple(sorted(kwargs)),
             *[_guard(a) for a in flat],
             _aliases(flat),
-            torch.is_grad_enabled(),  # a step with .backward() raises under no_grad
-            torch.is_inference_mode_enabled(),
+            *_modes(),
         )
         entry = self._entries.get(key)
         if entry is None:
@@ -618,6 +618,18 @@ def _guard(a: Any) -> Any:
     if isinstance(a, dict):
         return (t, tuple(a))
     return (t, id(a))
+
+
+def _modes() -> tuple:
+    """torch's modes that change what a step records: grad mode (a step with .backward()
+    raises under no_grad), autocast, and the dtype of the tensors it makes."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_default_dtype(),
+    )
 
 
 def _aliases(flat: list) -> tuple[int, ...]:

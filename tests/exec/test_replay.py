@@ -367,7 +367,7 @@ def test_changes_to_the_model_between_calls_are_seen(local_grid):
     assert step.replays == 5  # calls 2, 5, 8, 11 and 14: each change recorded twice again
 
 
-def test_grad_mode_is_guarded(local_grid):
+def test_torch_modes_are_guarded(local_grid):
     model = nn.Linear(4, 1).send(local_grid.workers[0])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 4).send(local_grid.workers[0])
@@ -387,6 +387,21 @@ def test_grad_mode_is_guarded(local_grid):
             want = model(x).get()
             assert torch.equal(forward(x).get(), want)
     assert forward.replays == 1
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    pa, pb = a.send(local_grid.workers[0]), b.send(local_grid.workers[1])
+    matmul = gg.compile(lambda x, y: x @ y + torch.ones(4))
+    phases = [(False, torch.float32)] * 3 + [(True, torch.float32)] * 3
+    phases += [(False, torch.float64)] * 3 + [(False, torch.float32)]
+    with torch.no_grad():
+        for autocast, default in phases:  # autocast to bfloat16; what torch.ones makes
+            torch.set_default_dtype(default)
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    got, want = matmul(pa, pb), a @ b + torch.ones(4)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            assert got.dtype == want.dtype and torch.equal(got.get(), want)
+    assert matmul.replays == 4
 
 
 def test_local_tensors_the_step_reads_are_read_at_each_call(local_grid):
