@@ -4,15 +4,15 @@ State, per compiled function: `_entries`, keyed by the guard of a call's argumen
 types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
 strings and shapes by value; what lists, tuples and dicts hold, as arguments of their own;
 other objects by identity, held so that their ids stay theirs; torch's grad mode, autocast
-and default dtype), each holding the
-latest recording made under that guard and the replays built from it (at most
-`MAX_REPLAYS`).
+and default dtype), each holding the latest recording made under that guard and the
+replays built from it (at most `MAX_REPLAYS`).
 
 Policy:
 1. A call whose guard has a replay whose checks pass (the same modules in the same
-   train/eval mode, the same optimizer hyperparameters, the values of the arguments it
-   froze, the pointer arguments it pinned, and external inputs with the shapes, locations
-   and aliasing recorded) is replayed:
+   train/eval mode with the same parameters, buffers, submodules and hooks, the same
+   optimizer hyperparameters and parameters, the values of the arguments it froze, the
+   pointer arguments it pinned, and external inputs with the shapes, locations, aliasing,
+   `requires_grad` and hooks recorded) is replayed:
    fresh value ids for what the step makes, one run message per worker naming the cached
    plan (workers run the programs they keep), then the pointers are rebound and attached as
    the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
