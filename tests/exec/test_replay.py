@@ -471,3 +471,17 @@ def test_complex_arguments_are_guarded_bit_for_bit(local_grid):
     for c in [0j, 0j, 0j, complex(0.0, -0.0), complex(-0.0, -0.0)]:
         want = torch.view_as_real(z * c)
         assert torch.equal(torch.view_as_real(step(p, c).get()).signbit(), want.signbit()), c
+
+
+@torch.no_grad()
+def test_random_ops_draw_on_as_traced_steps_do(local_grid):
+    """A replayed dropout draws the next numbers of the worker's stream, as the same step
+    traced (or in torch, seeded alike) would: a replay repeats no draws."""
+    x = torch.ones(4, 8)
+    p = x.send(local_grid.workers[0])
+    step = gg.compile(lambda p: F.dropout(p, 0.5))
+    local_grid.workers[0].manual_seed(3)
+    got = [step(p).get() for _ in range(5)]
+    torch.manual_seed(3)
+    assert all(torch.equal(g, F.dropout(x, 0.5)) for g in got)
+    assert step.replays == 3
