@@ -713,7 +713,7 @@ def _state(watched: tuple[list, list]) -> tuple:
             tuple(m._modules),
             _identities(m._modules.values()),
             *(tuple(getattr(m, hooks, ())) for hooks in _MODULE_HOOKS),
-        )  # fmt: skip
+        )
         for m in modules
     )
     groups = tuple(
