@@ -717,13 +717,35 @@ def _state(watched: tuple[list, list]) -> tuple:
         for m in modules
     )
     groups = tuple(
-        tuple((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))
+        tuple((k, _hyperparameter(v)) for k, v in g.items() if k != "params")
         + (_identities(g["params"]),)
         for o in optimizers
         for g in o.param_groups
     )
     hooks = tuple(tuple(getattr(nn_module, f"_global{h}")) for h in _MODULE_HOOKS)
     return mods, groups, hooks if modules else ()
+
+
+class _Equal:
+    """Equal to another `_Equal` of a local tensor with the same value (a tensor `lr`)."""
+
+    __slots__ = ("snap",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.snap = _Snap(t)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Equal and _same(self.snap, other.snap)
+
+    __hash__ = None
+
+
+def _hyperparameter(v: Any) -> Any:
+    """An optimizer hyperparameter as compared between calls: a local tensor by value (a
+    scheduler fills a tensor `lr` in place), a pointer by identity, the rest as it is."""
+    if isinstance(v, RemoteTensor):
+        return _Is(v)
+    return _Equal(v) if isinstance(v, torch.Tensor) else v
 
 
 def _autograd_state(p: RemoteTensor | None) -> tuple | None:

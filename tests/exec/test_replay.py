@@ -251,13 +251,15 @@ def test_changing_python_state_float_is_refused(local_grid):
     assert step.replays == 0
 
 
-def test_lr_scheduler_change_records_again(local_grid):
+@pytest.mark.parametrize("lr", [lambda: 0.1, lambda: torch.tensor(0.1)], ids=["float", "tensor"])
+def test_lr_scheduler_change_records_again(local_grid, lr):
+    """The scheduler sets a float `lr`, or fills a tensor `lr` in place."""
     model = nn.Linear(4, 1).send(local_grid.workers[0])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     ref = nn.Linear(4, 1)
     ref.load_state_dict({k: v.get() for k, v in model.state_dict().items()})
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr())
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
     X, Y = torch.randn(8, 4), torch.randn(8, 1)
     x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
