@@ -8,10 +8,10 @@ and default dtype), each holding the latest recording made under that guard and 
 replays built from it (at most `MAX_REPLAYS`).
 
 Policy:
-1. A call whose guard has a replay whose checks pass (the same modules in the same
-   train/eval mode with the same parameters, buffers, submodules and hooks, the same
-   optimizer hyperparameters and parameters, the values of the arguments it froze, the
-   pointer arguments it pinned, and external inputs with the shapes, locations, aliasing,
+1. A call whose guard has a replay whose checks pass (the same modules with the same
+   settings (train/eval mode, `Dropout.p`), parameters, buffers, submodules and hooks; the
+   same optimizer hyperparameters and parameters; the values of the arguments it froze;
+   the pointer arguments it pinned; external inputs with the shapes, locations, aliasing,
    `requires_grad` and hooks recorded) is replayed:
    fresh value ids for what the step makes, one run message per worker naming the cached
    plan (workers run the programs they keep), then the pointers are rebound and attached as
@@ -41,7 +41,7 @@ Policy:
    waits until the step has run.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
-float or tensor, other than what `_state` guards (modules' mode, parameters, buffers,
+float or tensor, other than what `_state` guards (modules' settings, parameters, buffers,
 submodules and hooks; optimizers' hyperparameters and parameters) and each read pointer's
 `requires_grad` and hooks, is assumed to stay as it was in the recordings; Python effects
 of `fn` besides its ops do not happen. A float argument is matched by value, so Python
@@ -698,14 +698,24 @@ def _identities(objects: Any) -> tuple:
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def _settings(m: torch.nn.Module) -> tuple:
+    """A module's plain settings: `training`, `Dropout.p`, `BatchNorm.momentum`, ... (floats
+    bit for bit)."""
+    return tuple(
+        (k, v.hex() if type(v) is float else v)
+        for k, v in vars(m).items()
+        if v is None or type(v) in (bool, int, float, str)
+    )
+
+
 def _state(watched: tuple[list, list]) -> tuple:
-    """The Python state a step's ops depend on that we can see: modules' train/eval mode,
-    parameters, buffers, submodules and hooks (global ones too), and each optimizer's
-    hyperparameters (an LR scheduler changes `lr`) and parameters."""
+    """The Python state a step's ops depend on that we can see: modules' settings (train or
+    eval mode, `Dropout.p`), parameters, buffers, submodules and hooks (global ones too),
+    and each optimizer's hyperparameters (an LR scheduler changes `lr`) and parameters."""
     modules, optimizers = watched
     mods = tuple(
         (
-            m.training,
+            _settings(m),
             tuple(m._parameters),
             _identities(m._parameters.values()),
             tuple(m._buffers),

@@ -202,7 +202,7 @@ def test_new_batch_shape_records_again(local_grid):
 
 
 @torch.no_grad()  # a forward pass alone replays only where its results need no grad_fn
-def test_model_eval_mode_is_guarded(local_grid):
+def test_module_settings_are_guarded(local_grid):
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).send(local_grid.workers[0])
     x = torch.randn(2, 4).send(local_grid.workers[0])
     step = gg.compile(lambda x: model(x))
@@ -218,6 +218,15 @@ def test_model_eval_mode_is_guarded(local_grid):
     with gg.trace():
         want = model(x)
     assert torch.equal(out.get(), want.get())
+    for p in (0.5, 0.5, 0.25):  # a replay, then recorded again: another dropout rate
+        model[1].p = p
+        local_grid.manual_seed(1)
+        out = step(x)
+        local_grid.manual_seed(1)
+        with gg.trace():
+            want = model(x)
+        assert torch.equal(out.get(), want.get())
+    assert (step.recordings, step.replays) == (5, 2)
 
 
 def test_control_flow_on_remote_values_is_refused(local_grid):
