@@ -496,3 +496,39 @@ def test_random_ops_draw_on_as_traced_steps_do(local_grid):
     torch.manual_seed(3)
     assert all(torch.equal(g, F.dropout(x, 0.5)) for g in got)
     assert step.replays == 3
+
+
+def test_gradients_accumulate_across_replays_as_in_torch(local_grid):
+    """A step that only runs backward (no zero_grad) adds to `.grad` on every call, replays
+    included; clearing `.grad` between calls is seen."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1)
+    model = copy.deepcopy(plain).send(local_grid.workers[0])
+    X = torch.randn(8, 4)
+    x = X.send(local_grid.workers[1])
+
+    def backward(model, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    step = gg.compile(lambda x: backward(model, x))
+    for i in range(9):
+        if i == 4:
+            model.zero_grad(), plain.zero_grad()  # grads to None: recorded again
+        assert step(x).item() == backward(plain, X).item()
+        assert torch.equal(model.weight.grad.get(), plain.weight.grad), i
+    # Recorded: the first call (it makes the grads), then two alike; again after zero_grad.
+    assert (step.recordings, step.replays) == (6, 3)
+
+
+def test_a_pointer_the_step_reads_moved_between_calls(local_grid):
+    w0, w1 = local_grid.workers[:2]
+    a = torch.arange(3.0).send(w0)
+    step = gg.compile(lambda x: x * a)
+    x = torch.ones(3).send(w1)
+    for i in range(6):
+        if i == 3:
+            a.move(w1)  # recorded again: its value is elsewhere now
+        assert torch.equal(step(x).get(), torch.arange(3.0))
+    assert (step.recordings, step.replays) == (4, 2)
