@@ -38,7 +38,8 @@ Policy:
    sending tensors inside `fn`. Pointers of two grids in one step are refused too.
 6. Compiled calls run one at a time, whatever the thread (a recording takes every op
    pending on the client as its step); another thread's request or read during a recording
-   waits until the step has run.
+   is its own (not refused). Ops that another thread records on the same grid while a step
+   records join the step's plan.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
 float or tensor, other than what `_state` guards (modules' settings, parameters, buffers,
@@ -180,8 +181,7 @@ class Compiled:
 
         def refuse(what: str) -> None:
             if not getattr(_recording, "active", False):
-                with _calls:  # another thread's: it runs once this step is recorded and run
-                    return
+                return  # another thread's: it runs what it needs, not this step's ops
             raise GridError(
                 f"gg.compile({name}): {what} at {user_frame()}: a compiled step cannot branch "
                 "on or wait for remote values; compute with tensors instead, or do this "
