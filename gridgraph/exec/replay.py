@@ -2,14 +2,17 @@
 
 State, per compiled function: `_entries`, keyed by the guard of a call's arguments (their
 types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
-strings and shapes by value; other objects by identity), each holding the latest recording
-made under that guard and the replays built from it (at most `MAX_REPLAYS`).
+strings and shapes by value; what lists, tuples and dicts hold, as arguments of their own;
+other objects by identity, held so that their ids stay theirs; torch's grad mode, autocast
+and default dtype), each holding the latest recording made under that guard and the
+replays built from it (at most `MAX_REPLAYS`).
 
 Policy:
-1. A call whose guard has a replay whose checks pass (the same modules in the same
-   train/eval mode, the same optimizer hyperparameters, the values of the arguments it
-   froze, the pointer arguments it pinned, and external inputs with the shapes, locations
-   and aliasing recorded) is replayed:
+1. A call whose guard has a replay whose checks pass (the same modules with the same
+   settings (train/eval mode, `Dropout.p`), parameters, buffers, submodules and hooks; the
+   same optimizer hyperparameters and parameters; the values of the arguments it froze;
+   the pointer arguments it pinned; external inputs with the shapes, locations, aliasing,
+   `requires_grad` and hooks recorded) is replayed:
    fresh value ids for what the step makes, one run message per worker naming the cached
    plan (workers run the programs they keep), then the pointers are rebound and attached as
    the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
@@ -33,11 +36,19 @@ Policy:
 5. Refused while recording, with `GridError` naming the user's line: reading a remote value
    in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
    sending tensors inside `fn`. Pointers of two grids in one step are refused too.
+6. Compiled calls run one at a time, whatever the thread (a recording takes every op
+   pending on the client as its step); another thread's request or read during a recording
+   is its own (not refused). Ops that another thread records on the same grid while a step
+   records join the step's plan.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
-float or tensor, other than modules' train/eval mode and optimizer hyperparameters (which
-are guarded), is assumed to stay as it was in the recordings. Pointers a replay returns are
-detached (no `grad_fn`): the backward pass ran inside the step.
+float or tensor, other than what `_state` guards (modules' settings, parameters, buffers,
+submodules and hooks; optimizers' hyperparameters and parameters) and each read pointer's
+`requires_grad` and hooks, is assumed to stay as it was in the recordings; Python effects
+of `fn` besides its ops do not happen. A float argument is matched by value, so Python
+that picks one (`max(lr, floor)`) passes for it while both recordings picked it. Pointers
+a replay returns are detached (no `grad_fn`): the backward pass ran inside the step, and a
+step that returns a tensor requiring grad without one is not replayed.
 """
 
 from __future__ import annotations
@@ -45,18 +56,21 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
 from gridgraph.exec.client import CLIENTS, Client, _Cell
 from gridgraph.schedule.plan import Plan, run_params
+from gridgraph.trace.graph import Const, Node
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import trace, user_frame
@@ -68,6 +82,8 @@ MAX_GUARDS = 16  # argument guards per compiled function
 
 _MISS = object()  # a replay's checks failed: record this call instead
 _recording = threading.local()  # `active`: a compiled step is being recorded on this thread
+# One compiled call at a time: a recording takes every op pending on the client as its step.
+_calls = threading.RLock()
 
 Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
 
@@ -104,11 +120,22 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_recording, "active", False):
             return self.fn(*args, **kwargs)  # called from a step being recorded: part of it
-        flat = [*args, *(kwargs[k] for k in sorted(kwargs))]
-        key = (len(args), tuple(sorted(kwargs)), *[_guard(a) for a in flat], _aliases(flat))
+        with _calls:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        flat = _flatten([*args, *(kwargs[k] for k in sorted(kwargs))])
+        key = (
+            len(args),
+            tuple(sorted(kwargs)),
+            *[_guard(a) for a in flat],
+            _aliases(flat),
+            *_modes(),
+        )
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            # Objects guarded by identity are held, so that no other object takes their id.
+            entry = self._entries[key] = _Entry([a for a in flat if _by_identity(a)])
             while len(self._entries) > MAX_GUARDS:
                 self._entries.popitem(last=False)
         for replay in entry.replays:
@@ -153,6 +180,8 @@ class Compiled:
         name = self.__name__
 
         def refuse(what: str) -> None:
+            if not getattr(_recording, "active", False):
+                return  # another thread's: it runs what it needs, not this step's ops
             raise GridError(
                 f"gg.compile({name}): {what} at {user_frame()}: a compiled step cannot branch "
                 "on or wait for remote values; compute with tensors instead, or do this "
@@ -198,6 +227,7 @@ class Compiled:
 class _Entry:
     """The calls under one argument guard: the latest recording, and replays."""
 
+    held: list[Any]
     last: _Recording | None = None
     replays: list[_Replay] = field(default_factory=list)
 
@@ -223,6 +253,8 @@ class _Recording:
         self.arg_cells = {i: a._cell for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         self.params = run_params(self.nodes)
         self.param_snaps = [_snapshot(p) for p in self.params]
+        # The user's own tensor behind each local tensor parameter (None for a float).
+        self.param_sources = [s for n in self.nodes for s in _param_sources(n)]
         self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
                             for n in self.nodes for _ in n.params]  # fmt: skip
         self.watched: tuple[list, list] = ([], [])
@@ -244,6 +276,7 @@ class _Recording:
         accounted: set[int] = set()
         self.rebinds: list[tuple[Source, int, TensorMeta | None]] = []
         self.grads: list[tuple[Source, int]] = []
+        grads_changed = False  # whether a backward pass inside the step reached a leaf
         for vid0, cell in self.start.items():
             if cell.vid != vid0 and cell.vid is not None:
                 if cell.vid not in self.produced:
@@ -258,8 +291,19 @@ class _Recording:
                 if isinstance(g, RemoteTensor) and id(g._cell) in new_cells:
                     self.grads.append((self.source(vid0), g._vid))
                     accounted.add(id(g._cell))
+                    grads_changed = True
+                elif isinstance(g, RemoteTensor) and g._vid != self.start_vid.get(id(g._cell)):
+                    grads_changed = True  # accumulated into
         self.new_returns: list[int] = []
+        self.attached = False  # whether a returned pointer requires grad
         self.returns = self._template(result, new_cells, accounted)
+        if self.attached and not grads_changed:
+            self._not(
+                "the step returns a tensor that requires grad and runs no backward pass: a "
+                "replay's results are detached, so a backward through them would miss the "
+                "step's parameters. Call it under torch.no_grad(), return .detach(), or run "
+                "the backward inside the step"
+            )
         for key in new_cells:
             if key not in accounted:
                 self._not(
@@ -277,6 +321,7 @@ class _Recording:
                 self._not("the step returns a pointer of another grid")
             elif id(cell) in new_cells and obj._vid in self.produced:
                 accounted.add(id(cell))
+                self.attached = self.attached or obj.requires_grad
                 self.new_returns.append(obj._vid)
                 return ("new", len(self.new_returns) - 1)
             elif id(cell) in self.start_vid:
@@ -313,7 +358,8 @@ class _Recording:
         self.n_slots = len(slots)
         worker_of = {v: w for n, w in zip(self.nodes, plan.node_workers) for v in n.outputs}
         first_with: dict[int, int] = {}  # storage -> first slot on it
-        # (slot, source, (meta, location, first slot on its storage)) of each external input.
+        # (slot, source, (meta, location, first slot on its storage, autograd state)) of each
+        # external input.
         self.inputs: list[tuple[int, Source, tuple]] = []
         # (slot, meta, first slot on its storage, worker) of each value the step makes.
         self.outputs: list[tuple[int, TensorMeta, int, str]] = []
@@ -328,7 +374,9 @@ class _Recording:
                 source = self.source(vid)
                 if source is None:
                     self._not(f"the step reads %{vid}, which no pointer names")
-                self.inputs.append((s, source, (meta, location, first)))
+                cell = self.arg_cells.get(source) if type(source) is int else source
+                grad = _autograd_state(cell.ref() if cell is not None else None)
+                self.inputs.append((s, source, (meta, location, first, grad)))
         self.kept = frozenset(s for s, v in enumerate(slots) if v in values)
         self.rebinds = [(src, slot_of[v], m) for src, v, m in self.rebinds if v in slot_of]
         self.grads = [(src, slot_of[v]) for src, v in self.grads if v in slot_of]
@@ -391,6 +439,13 @@ class _Replay:
         # Float and tensor arguments the ops do not take as they are: frozen.
         self.fixed = [(i, rec.args[i]) for i, a in enumerate(rec.args)
                       if a is not None and i not in used]  # fmt: skip
+        # Constant local tensors that are one tensor of the user's in both recordings (a
+        # closure's): sent as they are at each call, as torch would read them then.
+        taken = {k for k, _, _ in self.from_args}
+        self.sources = [(k, src, TensorMeta.of(as_sent(src)))
+                        for k, (src, before) in enumerate(zip(rec.param_sources,
+                                                              previous.param_sources))
+                        if k not in taken and src is not None and src is before]  # fmt: skip
         self.same_pointers = [(i, cell) for i, cell in rec.arg_cells.items()
                               if previous.arg_cells.get(i) is cell]  # fmt: skip
 
@@ -404,6 +459,9 @@ class _Replay:
                 return False
         for i, snap in self.fixed:
             if not _same(snap, _snapshot(flat[i])):
+                return False
+        for _, src, meta in self.sources:
+            if TensorMeta.of(as_sent(src)) != meta:
                 return False
         return _state(rec.watched) == rec.state
 
@@ -419,7 +477,7 @@ class _Replay:
             slots = [0] * rec.n_slots
             storage_at: dict[int, int] = {}
             first_on: dict[int, int] = {}  # storage -> first slot on it
-            for s, src, (meta, location, first) in rec.inputs:
+            for s, src, (meta, location, first, grad) in rec.inputs:
                 cell = flat[src]._cell if type(src) is int else src
                 vid = cell.vid
                 value = values.get(vid)
@@ -429,6 +487,7 @@ class _Replay:
                     or value.meta != meta
                     or value.location != location
                     or first_on.setdefault(value.storage, s) != first
+                    or _autograd_state(cell.ref()) != grad
                 ):
                     return _MISS
                 if vid in failed:
@@ -442,6 +501,8 @@ class _Replay:
             params = list(self.params)
             for k, i, is_tensor in self.from_args:
                 params[k] = as_sent(flat[i]) if is_tensor else flat[i]
+            for k, src, _ in self.sources:
+                params[k] = as_sent(src)
             try:
                 replies = client._run_plan(rec.plan, slots, params, rec.where)
             except (RemoteError, WorkerLost) as e:
@@ -466,7 +527,7 @@ class _Replay:
                                 location=None if error else worker)  # fmt: skip
                 if error is not None:
                     client.failed[vid] = error
-        for s, _, (_, location, _) in rec.inputs:
+        for s, _, (_, location, _, _) in rec.inputs:
             if s not in rec.kept:
                 graph.values.pop(slots[s], None)
                 if error is not None and location is not None:
@@ -512,8 +573,33 @@ def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:
 # --- guards and snapshots -------------------------------------------------------------------
 
 
+def _flatten(top: list) -> list:
+    """The arguments, then what the lists, tuples and dicts among them hold (outer levels
+    first): a pointer, tensor or float in a container is guarded and read as an argument."""
+    flat, seen = list(top), set()
+    for a in flat:  # grows as it goes
+        if isinstance(a, (list, tuple, dict)) and id(a) not in seen:
+            seen.add(id(a))
+            flat.extend(a.values() if isinstance(a, dict) else a)
+    return flat
+
+
+_BY_VALUE = (int, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _by_identity(a: Any) -> bool:
+    """Whether an argument is guarded by identity (an object of the user's)."""
+    return not (
+        a is None
+        or isinstance(a, (torch.Tensor, list, tuple, dict))
+        or type(a) in (float, complex)
+        or type(a) in _BY_VALUE
+    )
+
+
 def _guard(a: Any) -> Any:
-    """What of an argument a recording depends on (its value only where it shapes the ops)."""
+    """What of an argument a recording depends on (its value only where it shapes the ops).
+    A container's items are arguments of their own (`_flatten`): here, its structure."""
     t = type(a)
     if isinstance(a, RemoteTensor):
         value = a._owner.graph.values.get(a._vid)
@@ -523,13 +609,27 @@ def _guard(a: Any) -> Any:
         return (torch.Tensor, TensorMeta.of(a), a.requires_grad)
     if t is float:
         return float
-    if t in (int, bool, str, complex) or a is None:
+    if t is complex:  # in the plan: 0j and -0j differ
+        return (t, a.real.hex(), a.imag.hex())
+    if a is None or t in _BY_VALUE:
         return (t, a)
     if isinstance(a, (tuple, list)):
-        return (t, *[_guard(x) if type(x) is not float else (float, x) for x in a])
-    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return a
+        return (t, len(a))
+    if isinstance(a, dict):
+        return (t, tuple(a))
     return (t, id(a))
+
+
+def _modes() -> tuple:
+    """torch's modes that change what a step records: grad mode (a step with .backward()
+    raises under no_grad), autocast, and the dtype of the tensors it makes."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_default_dtype(),
+    )
 
 
 def _aliases(flat: list) -> tuple[int, ...]:
@@ -576,14 +676,114 @@ def _show(snap: Any) -> str:
     return repr(snap)
 
 
+class _Is:
+    """Equal to another `_Is` of the same live object (identity, without keeping it alive:
+    a replaced parameter may be freed and its id reused)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, obj: Any) -> None:
+        self.ref = weakref.ref(obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Is and (obj := self.ref()) is not None and obj is other.ref()
+
+    __hash__ = None
+
+
+def _identities(objects: Any) -> tuple:
+    return tuple(None if x is None else _Is(x) for x in objects)
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _settings(m: torch.nn.Module) -> tuple:
+    """A module's plain settings: `training`, `Dropout.p`, `BatchNorm.momentum`, ... (floats
+    bit for bit)."""
+    return tuple(
+        (k, v.hex() if type(v) is float else v)
+        for k, v in vars(m).items()
+        if v is None or type(v) in (bool, int, float, str)
+    )
+
+
 def _state(watched: tuple[list, list]) -> tuple:
-    """The Python state a step's ops depend on that we can see: modules' train/eval mode,
-    and each optimizer's hyperparameters (an LR scheduler changes `lr`)."""
+    """The Python state a step's ops depend on that we can see: modules' settings (train or
+    eval mode, `Dropout.p`), parameters, buffers, submodules and hooks (global ones too),
+    and each optimizer's hyperparameters (an LR scheduler changes `lr`) and parameters."""
     modules, optimizers = watched
+    mods = tuple(
+        (
+            _settings(m),
+            tuple(m._parameters),
+            _identities(m._parameters.values()),
+            tuple(m._buffers),
+            _identities(m._buffers.values()),
+            tuple(m._modules),
+            _identities(m._modules.values()),
+            *(tuple(getattr(m, hooks, ())) for hooks in _MODULE_HOOKS),
+        )
+        for m in modules
+    )
     groups = tuple(
-        tuple((k, v) for k, v in g.items() if k != "params" and not isinstance(v, torch.Tensor))
-        + (len(g["params"]),)
+        tuple((k, _hyperparameter(v)) for k, v in g.items() if k != "params")
+        + (_identities(g["params"]),)
         for o in optimizers
         for g in o.param_groups
     )
-    return tuple(m.training for m in modules), groups
+    hooks = tuple(tuple(getattr(nn_module, f"_global{h}")) for h in _MODULE_HOOKS)
+    return mods, groups, hooks if modules else ()
+
+
+class _Equal:
+    """Equal to another `_Equal` of a local tensor with the same value (a tensor `lr`)."""
+
+    __slots__ = ("snap",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.snap = _Snap(t)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _Equal and _same(self.snap, other.snap)
+
+    __hash__ = None
+
+
+def _hyperparameter(v: Any) -> Any:
+    """An optimizer hyperparameter as compared between calls: a local tensor by value (a
+    scheduler fills a tensor `lr` in place), a pointer by identity, the rest as it is."""
+    if isinstance(v, RemoteTensor):
+        return _Is(v)
+    return _Equal(v) if isinstance(v, torch.Tensor) else v
+
+
+def _autograd_state(p: RemoteTensor | None) -> tuple | None:
+    """What autograd does with a pointer a step reads: whether it takes a gradient, and the
+    hooks it runs on it."""
+    if p is None:
+        return None
+    return (
+        p.requires_grad,
+        tuple(p._backward_hooks or ()),
+        tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()),
+    )
+
+
+def _param_sources(node: Node) -> list[torch.Tensor | None]:
+    """The user's tensor behind each of a node's parameters (None for a float), in the order
+    recording walked its arguments."""
+    found: list[torch.Tensor | None] = []
+
+    def walk(a: Any) -> None:
+        if type(a) is Const:
+            found.append(a.source)
+        elif type(a) is float:
+            found.append(None)
+        elif isinstance(a, list):
+            for x in a:
+                walk(x)
+
+    for a in (*node.args, *node.kwargs.values()):
+        walk(a)
+    return found if len(found) == len(node.params) else [None] * len(node.params)

@@ -35,9 +35,13 @@ class Ref(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class Const:
-    """A local tensor the user mixed into a remote op; it is shipped with the batch."""
+    """A local tensor the user mixed into a remote op; it is shipped with the batch.
+
+    `tensor` is its value at the call (a copy: the user may change theirs before the op
+    runs); `source` is the user's own tensor, for `gg.compile` to read again on a replay."""
 
     tensor: torch.Tensor
+    source: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -60,9 +60,10 @@ class TensorMeta(NamedTuple):
         return t
 
 
-def as_sent(t: torch.Tensor) -> torch.Tensor:
+def as_sent(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
     """A local tensor as a worker receives it (`gg.send`, or mixed into an op): its values,
-    row-major from offset 0, lazy conjugation applied; a copy only when `t` is not so already.
+    row-major from offset 0, lazy conjugation applied; a copy only when `t` is not so already
+    or `copy` is set (a value sent later must not see the user's later writes to `t`).
     What the client records about it must describe this, not the sender's layout."""
     t = t.detach().resolve_conj().resolve_neg()
     row_major, n = [], 1
@@ -70,7 +71,7 @@ def as_sent(t: torch.Tensor) -> torch.Tensor:
         row_major.append(n)
         n *= size
     if t.storage_offset() == 0 and t.stride() == tuple(reversed(row_major)):
-        return t
+        return t.clone() if copy else t
     return t.clone(memory_format=torch.contiguous_format)
 
 

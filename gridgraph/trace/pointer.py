@@ -68,6 +68,31 @@ class RemoteTensor(torch.Tensor):
                 self, stand_in.untyped_storage(), meta.offset, meta.shape, meta.stride
             )
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`p.data = q` (as `model.double()` does): `p` names `q`'s value from now on,
+        sharing its storage as torch's tensors do, and keeps its autograd identity."""
+        if not isinstance(new, RemoteTensor) or new._owner is not self._owner:
+            raise TypeError(
+                "p.data = t needs a pointer of the same grid as p; send t first "
+                "(gg.send(t, worker))"
+            )
+        view = torch.ops.aten.alias.default(new)  # a new value on q's storage
+        self._owner.rebind(self, view._vid)
+        view._cell.vid = None  # the value is `self`'s now, not freed with `view`
+        meta = TensorMeta.of(view)
+        stand_in = torch.Tensor._make_wrapper_subclass(
+            RemoteTensor, meta.shape, strides=meta.stride, storage_offset=meta.offset,
+            dtype=meta.dtype, device="cpu",
+        )  # fmt: skip
+        torch._C.TensorBase.data.__set__(self, stand_in)  # shape, strides and dtype
+        if meta.bits:
+            meta.mark(self)
+
     # --- what users call ---------------------------------------------------------------------
 
     def compute(self) -> RemoteTensor:

@@ -284,7 +284,7 @@ class _Walk:
                 )
             if a.layout != torch.strided:
                 raise RecordError(f"tensors with layout {a.layout} are not supported")
-            const = Const(as_sent(a))
+            const = Const(as_sent(a, copy=True), a)  # its value now: the op may run later
             self.key.append(("const", TensorMeta.of(const.tensor)))
             self.params.append(const.tensor)
             return const
@@ -304,7 +304,10 @@ class _Walk:
         if type(a) is float:
             self.key.append(float)
             self.params.append(a)
-            self.floats.append(a)
+            self.floats.append(a if a == a else "nan")  # NaN != NaN: one key for every NaN
+            return a
+        if type(a) is complex:  # in the plan, not a parameter: 0j and -0j must differ
+            self.key.append((complex, a.real.hex(), a.imag.hex()))
             return a
         self.key.append((type(a), a))
         return a

@@ -9,6 +9,7 @@ equal to plain torch.
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 
 import pytest
@@ -200,7 +201,8 @@ def test_new_batch_shape_records_again(local_grid):
     assert (step.recordings, step.replays) == (5, 3)
 
 
-def test_model_eval_mode_is_guarded(local_grid):
+@torch.no_grad()  # a forward pass alone replays only where its results need no grad_fn
+def test_module_settings_are_guarded(local_grid):
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).send(local_grid.workers[0])
     x = torch.randn(2, 4).send(local_grid.workers[0])
     step = gg.compile(lambda x: model(x))
@@ -216,6 +218,15 @@ def test_model_eval_mode_is_guarded(local_grid):
     with gg.trace():
         want = model(x)
     assert torch.equal(out.get(), want.get())
+    for p in (0.5, 0.5, 0.25):  # a replay, then recorded again: another dropout rate
+        model[1].p = p
+        local_grid.manual_seed(1)
+        out = step(x)
+        local_grid.manual_seed(1)
+        with gg.trace():
+            want = model(x)
+        assert torch.equal(out.get(), want.get())
+    assert (step.recordings, step.replays) == (5, 2)
 
 
 def test_control_flow_on_remote_values_is_refused(local_grid):
@@ -249,13 +260,15 @@ def test_changing_python_state_float_is_refused(local_grid):
     assert step.replays == 0
 
 
-def test_lr_scheduler_change_records_again(local_grid):
+@pytest.mark.parametrize("lr", [lambda: 0.1, lambda: torch.tensor(0.1)], ids=["float", "tensor"])
+def test_lr_scheduler_change_records_again(local_grid, lr):
+    """The scheduler sets a float `lr`, or fills a tensor `lr` in place."""
     model = nn.Linear(4, 1).send(local_grid.workers[0])
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     ref = nn.Linear(4, 1)
     ref.load_state_dict({k: v.get() for k, v in model.state_dict().items()})
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr())
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
     X, Y = torch.randn(8, 4), torch.randn(8, 1)
     x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
@@ -332,3 +345,190 @@ def test_python_ints_that_shape_the_ops_are_guards(local_grid):
         want = torch.arange(6.0).reshape(2, 3).sum(dim) * scale
         assert torch.equal(reduce(p, dim, scale).get(), want)
     assert (reduce.recordings, reduce.replays) == (5, 2)
+
+
+def test_changes_to_the_model_between_calls_are_seen(local_grid):
+    """A hook registered, a layer replaced, a parameter frozen, a gradient hook: each changes
+    what the step computes without changing its arguments, so the next call records again."""
+    torch.manual_seed(0)
+    plain = mlp()
+    model = copy.deepcopy(plain).send(local_grid.workers[0])
+    opts = {"plain": torch.optim.SGD(plain.parameters(), lr=0.1),
+            "grid": torch.optim.SGD(model.parameters(), lr=0.1)}  # fmt: skip
+    X, Y = torch.randn(8, 13), torch.randn(8, 1)
+    x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
+    step = gg.compile(lambda x, y: train_step(model, opts["grid"], x, y))
+    changes = {
+        3: lambda m: m[0].register_forward_hook(lambda mod, inp, out: out * 2),
+        6: lambda m: m.__setitem__(2, nn.Linear(64, 1).requires_grad_(False)),
+        9: lambda m: m[0].weight.requires_grad_(False),
+        12: lambda m: m[0].bias.register_hook(lambda g: g.clamp(-0.01, 0.01)),
+    }
+    for i in range(15):
+        if i in changes:
+            torch.manual_seed(i)
+            changes[i](plain)
+            torch.manual_seed(i)
+            changes[i](model)
+            if i == 6:
+                model[2].send(local_grid.workers[0])
+        want = train_step(plain, opts["plain"], X, Y).item()
+        assert step(x, y).item() == want, i
+        assert torch.equal(model[0].weight.get(), plain[0].weight.detach()), i
+    assert step.replays == 5  # calls 2, 5, 8, 11 and 14: each change recorded twice again
+
+
+def test_torch_modes_are_guarded(local_grid):
+    model = nn.Linear(4, 1).send(local_grid.workers[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 4).send(local_grid.workers[0])
+    step = gg.compile(lambda x: train_step(model, opt, x, torch.zeros(2, 1)))
+    for _ in range(3):
+        step(x)
+    assert step.replays == 1
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        step(x)  # as torch: no graph to run backward through
+    forward = gg.compile(lambda x: model(x))
+    for _ in range(3):
+        out = forward(x)
+        assert out.requires_grad and out.grad_fn is not None  # as torch: attached
+    assert forward.replays == 0 and "requires grad" in forward.not_replayable
+    with torch.no_grad():
+        for _ in range(3):
+            want = model(x).get()
+            assert torch.equal(forward(x).get(), want)
+    assert forward.replays == 1
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    pa, pb = a.send(local_grid.workers[0]), b.send(local_grid.workers[1])
+    matmul = gg.compile(lambda x, y: x @ y + torch.ones(4))
+    phases = [(False, torch.float32)] * 3 + [(True, torch.float32)] * 3
+    phases += [(False, torch.float64)] * 3 + [(False, torch.float32)]
+    with torch.no_grad():
+        for autocast, default in phases:  # autocast to bfloat16; what torch.ones makes
+            torch.set_default_dtype(default)
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    got, want = matmul(pa, pb), a @ b + torch.ones(4)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            assert got.dtype == want.dtype and torch.equal(got.get(), want)
+    assert matmul.replays == 4
+
+
+def test_local_tensors_the_step_reads_are_read_at_each_call(local_grid):
+    """A local tensor of the user's that the step mixes into its ops (through a closure) is
+    sent as it is at each call, contiguous or not."""
+    p = torch.zeros(3).send(local_grid.workers[0])
+    ref = torch.zeros(3)
+    scale, columns = torch.ones(3), torch.ones(3, 2)
+    shift = columns[:, 0]  # not contiguous: sending it makes a copy
+
+    @gg.compile
+    def step():
+        return p.mul_(scale).add_(shift).sum()
+
+    for i in range(6):
+        total = step()
+        ref.mul_(scale).add_(shift)
+        assert total.item() == ref.sum().item() and torch.equal(p.get(), ref)
+        if i >= 2:  # between calls, once replays began (a change between the two
+            scale.add_(i % 2), columns.mul_(2)  # recordings is refused: not an argument)
+    assert step.replays == 4
+
+
+def test_compiled_steps_called_from_threads(local_grid):
+    """Steps compiled and called on several threads at once, on one grid: each thread's
+    results are its own, as in torch (recordings on one client used to mix)."""
+    results: dict[int, list] = {}
+
+    def run(k: int) -> None:
+        p = torch.zeros(4).send(local_grid.workers[k])
+        ref = torch.zeros(4)
+        step = gg.compile(lambda s: p.add_(s).mul(2))
+        got = []
+        try:
+            for i in range(30):
+                got.append(torch.equal(step(float(i % 3 + k)).get(), ref.add_(i % 3 + k) * 2))
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread's number
+            got.append(e)
+        results[k] = got
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {k: [True] * 30 for k in range(3)}
+
+
+def test_pointers_inside_list_and_dict_arguments_are_arguments(local_grid):
+    """A pointer passed inside a list or dict is read from each call's container, not the
+    recorded one (which may still be alive)."""
+    w0 = local_grid.workers[0]
+    step = gg.compile(lambda xs, named: xs[0] * 2 + xs[1] - named["z"])
+    values = [torch.randn(3) for _ in range(4)]
+    a, b, c, d = [v.send(w0) for v in values]
+    calls = [(a, b, c)] * 3 + [(c, d, a), (b, a, d), (b, a, d)]
+    for x, y, z in calls:
+        want = x.get() * 2 + y.get() - z.get()
+        assert torch.equal(step([x, y], {"z": z}).get(), want)  # new containers each call
+    assert step.replays == 3
+
+
+def test_complex_arguments_are_guarded_bit_for_bit(local_grid):
+    z = torch.tensor([1 + 1j, -1 - 2j])
+    p = gg.send(z, local_grid.workers[0])
+    step = gg.compile(lambda p, c: p * c)
+    for c in [0j, 0j, 0j, complex(0.0, -0.0), complex(-0.0, -0.0)]:
+        want = torch.view_as_real(z * c)
+        assert torch.equal(torch.view_as_real(step(p, c).get()).signbit(), want.signbit()), c
+
+
+@torch.no_grad()
+def test_random_ops_draw_on_as_traced_steps_do(local_grid):
+    """A replayed dropout draws the next numbers of the worker's stream, as the same step
+    traced (or in torch, seeded alike) would: a replay repeats no draws."""
+    x = torch.ones(4, 8)
+    p = x.send(local_grid.workers[0])
+    step = gg.compile(lambda p: F.dropout(p, 0.5))
+    local_grid.workers[0].manual_seed(3)
+    got = [step(p).get() for _ in range(5)]
+    torch.manual_seed(3)
+    assert all(torch.equal(g, F.dropout(x, 0.5)) for g in got)
+    assert step.replays == 3
+
+
+def test_gradients_accumulate_across_replays_as_in_torch(local_grid):
+    """A step that only runs backward (no zero_grad) adds to `.grad` on every call, replays
+    included; clearing `.grad` between calls is seen."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1)
+    model = copy.deepcopy(plain).send(local_grid.workers[0])
+    X = torch.randn(8, 4)
+    x = X.send(local_grid.workers[1])
+
+    def backward(model, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    step = gg.compile(lambda x: backward(model, x))
+    for i in range(9):
+        if i == 4:
+            model.zero_grad(), plain.zero_grad()  # grads to None: recorded again
+        assert step(x).item() == backward(plain, X).item()
+        assert torch.equal(model.weight.grad.get(), plain.weight.grad), i
+    # Recorded: the first call (it makes the grads), then two alike; again after zero_grad.
+    assert (step.recordings, step.replays) == (6, 3)
+
+
+def test_a_pointer_the_step_reads_moved_between_calls(local_grid):
+    w0, w1 = local_grid.workers[:2]
+    a = torch.arange(3.0).send(w0)
+    step = gg.compile(lambda x: x * a)
+    x = torch.ones(3).send(w1)
+    for i in range(6):
+        if i == 3:
+            a.move(w1)  # recorded again: its value is elsewhere now
+        assert torch.equal(step(x).get(), torch.arange(3.0))
+    assert (step.recordings, step.replays) == (4, 2)

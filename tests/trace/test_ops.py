@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import gridgraph as gg
+from gridgraph.trace import record
 
 
 def _get(out):
@@ -198,6 +199,28 @@ def test_mutation_matches_torch(grid, fn, inputs, traced):
     check(grid, fn, *inputs, traced=traced, exact=True)
 
 
+def _set_data(a, b):
+    a.data = b.t()  # another shape and layout: `a` now shares b's storage
+    b.add_(1)
+    return a * 1, a.mul_(3), b
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_setting_data_matches_torch(grid, traced):
+    """`p.data = q` makes p name q's value (it named its old one, silently), as
+    `model.double()` relies on."""
+    check(grid, _set_data, r(2, 3), r(3, 2), traced=traced, exact=True)
+    model = torch.nn.Linear(3, 2)
+    sent = gg.send(torch.nn.Linear(3, 2), grid.workers[0])
+    sent.load_state_dict(model.state_dict())
+    x = r(4, 3).double()
+    with gg.trace() if traced else contextlib.nullcontext():
+        got = sent.double()(gg.send(x, grid.workers[1]))
+    torch.testing.assert_close(got.get(), model.double()(x), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="send t first"):
+        sent.weight.data = torch.zeros(2, 3)
+
+
 def _complex(*shape):
     return torch.randn(*shape, dtype=torch.complex64, generator=g)
 
@@ -270,6 +293,18 @@ def test_ops_that_change_shapes_in_place_inside(local_grid, traced):
     check(local_grid, fn, r(3), r(3, 4), r(64), traced=traced)
 
 
+def test_a_local_tensor_mixed_in_is_its_value_at_the_call(local_grid):
+    """A traced op runs later than torch would run it: a local tensor mixed into it must be
+    the value it had at the call, even when the user writes to it before the op runs."""
+    base, scale = r(3, 4), torch.ones(4)
+    p = gg.send(base.clone(), local_grid.workers[0])
+    with gg.trace():
+        got = p * scale
+        p.add_(scale)
+    scale.mul_(5)  # before anything ran
+    torch.testing.assert_close((got.get(), p.get()), (base, base + 1), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 def test_keyword_arguments_are_told_apart(local_grid, traced):
     """torch drops keyword arguments equal to their default, so right=True and
@@ -307,6 +342,35 @@ def test_one_op_on_inputs_that_differ_only_in_layout_or_scalars(local_grid, trac
             (w.shape, w.stride(), w.dtype) for w in want
         ]
         torch.testing.assert_close(_get(got), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_complex_scalars_are_told_apart_bit_for_bit(local_grid, traced):
+    """A complex scalar is part of the plan: 0j and -0j, equal in Python, must not share
+    one, or the signs of zero in the result are the first call's."""
+    a = _complex(4)
+    p = gg.send(a, local_grid.workers[0])
+    for c in (0j, complex(0.0, -0.0), complex(-0.0, 0.0), complex(-0.0, -0.0)):
+        want = torch.view_as_real(a * c)
+        with gg.trace() if traced else contextlib.nullcontext():
+            got = torch.view_as_real(p * c)
+        assert torch.equal(got.get().signbit(), want.signbit()), c
+
+
+def test_a_nan_scalar_adds_nothing_to_the_caches_per_call(local_grid):
+    """NaN is unequal to itself: kept as it is in a cache key, each call adds an entry."""
+    x, z = r(4), _complex(4)
+    px, pz = gg.send(x, local_grid.workers[0]), gg.send(z, local_grid.workers[0])
+
+    def fn(x, z):
+        return x.clamp(max=float("nan")), z * complex("nan+1j")
+
+    torch.testing.assert_close(_get(fn(px, pz)), fn(x, z), equal_nan=True)
+    cached = len(record._recipes), len(record._signatures)
+    for _ in range(5):
+        with gg.trace():
+            fn(px, pz)
+    assert (len(record._recipes), len(record._signatures)) == cached
 
 
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
