@@ -218,6 +218,7 @@ class Compiled:
         rec = _Recording(client, start[client], arg_of, flat)
         rec.watched = (list(modules.values()), list(optimizers.values()))
         rec.state = _state(rec.watched)
+        rec.referents = _referents(rec.watched)
         rec.note_effects(result)
         rec.run()
         return result, rec
@@ -259,6 +260,7 @@ class _Recording:
                             for n in self.nodes for _ in n.params]  # fmt: skip
         self.watched: tuple[list, list] = ([], [])
         self.state: tuple = ()
+        self.referents: list[weakref.ref] = []  # what `state` names by id, weakly
 
     def _not(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -402,6 +404,7 @@ def _same_step(a: _Recording, b: _Recording) -> bool:
         and a.effects == b.effects
         and [list(map(id, w)) for w in a.watched] == [list(map(id, w)) for w in b.watched]
         and a.state == b.state
+        and _alive(a.referents)
         and [type(p) for p in a.params] == [type(p) for p in b.params]
     )
 
@@ -463,7 +466,7 @@ class _Replay:
         for _, src, meta in self.sources:
             if TensorMeta.of(as_sent(src)) != meta:
                 return False
-        return _state(rec.watched) == rec.state
+        return _state(rec.watched) == rec.state and _alive(rec.referents)
 
     def run(self, flat: list) -> Any:
         """Replay the step, or `_MISS` when its external inputs are not as recorded."""
@@ -692,7 +695,23 @@ class _Is:
 
 
 def _identities(objects: Any) -> tuple:
-    return tuple(None if x is None else _Is(x) for x in objects)
+    """The objects' ids: the same objects while `_referents` of the recording are alive."""
+    return tuple(map(id, objects))
+
+
+def _referents(watched: tuple[list, list]) -> list[weakref.ref]:
+    """Weak references to every object `_state` names by id. While all are alive, an equal
+    id is the same object (ids are reused only once their object is freed), and none of
+    them is kept alive by a recording (a replaced parameter's remote memory is freed)."""
+    modules, optimizers = watched
+    objects = [x for m in modules for d in (m._parameters, m._buffers, m._modules)
+               for x in d.values() if x is not None]  # fmt: skip
+    objects += [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    return [weakref.ref(x) for x in objects]
+
+
+def _alive(referents: list[weakref.ref]) -> bool:
+    return all(r() is not None for r in referents)
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
