@@ -112,6 +112,17 @@ def transfer_key(msg: dict) -> tuple[int, int]:
     return msg["run"], msg["values"][0]
 
 
+def one_tensor_per_value(values: list, tensors: object) -> bool:
+    """Whether a transfer's tensors match its value ids: one each, no id twice."""
+    return (
+        isinstance(tensors, list)
+        and len(tensors) == len(values)
+        and all(isinstance(t, torch.Tensor) for t in tensors)
+        and all(type(v) is int for v in values)
+        and len(set(values)) == len(values)
+    )
+
+
 class RequestError(Exception):
     """A request that cannot be served; its message goes back to the sender."""
 
@@ -474,7 +485,7 @@ class Program:
         """(new bytes at the peak, work, indices of steps left to check at run time)."""
         inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
         key = (
-            tuple((s, t.shape, t.stride(), t.storage_offset(), t.dtype) for s, t in inputs.items()),
+            tuple((s, _meta_key(t)) for s, t in inputs.items()),
             tuple(sorted((i, _param_key(p)) for i, p in params.items())),
         )
         found = self._footprints.get(key)
@@ -781,14 +792,13 @@ class Run:
 
     def send(self, slots: list[int], dst: str) -> None:
         """Send the values in `slots` to worker `dst`, all in one transfer message."""
-        msg = {
-            "kind": "transfer",
-            "client": self.s.key,
-            "run": self.run,
-            "src": self.w.name,
-            "values": [self.slots[slot] for slot in slots],
-            "tensors": [self.value(slot) for slot in slots],
-        }
+        self._transfer(slots, dst, tensors=[self.value(slot) for slot in slots])
+
+    def _transfer(self, slots: list[int], dst: str, **body: Any) -> None:
+        """Send worker `dst` the transfer message of the values in `slots`: their `tensors`,
+        or an `error` in their place."""
+        msg = {"kind": "transfer", "client": self.s.key, "run": self.run, "src": self.w.name,
+               "values": [self.slots[slot] for slot in slots], **body}  # fmt: skip
         self.w.transfer(self.s, dst, self.peers[dst], msg)
 
     def recv(self, slots: list[int], src: str) -> None:
@@ -813,11 +823,7 @@ class Run:
             isinstance(values, list) and all(type(v) is int for v in values) and values == vids
         ):
             raise wire.WireError(f"transfer from {src} carried other values than {shown}")
-        if not (
-            isinstance(tensors, list)
-            and len(tensors) == len(vids)
-            and all(isinstance(t, torch.Tensor) for t in tensors)
-        ):
+        if not one_tensor_per_value(values, tensors):
             raise wire.WireError(f"transfer of {shown} from {src} lacks a tensor for each value")
         for slot, tensor in zip(slots, tensors):
             self.store(slot, tensor)
@@ -827,15 +833,7 @@ class Run:
         step = steps[index]
         for later in steps[index:]:
             if later[0] == "send":  # every value of the group waits for this one message
-                msg = {
-                    "kind": "transfer",
-                    "client": self.s.key,
-                    "run": self.run,
-                    "src": self.w.name,
-                    "values": [self.slots[slot] for slot in later[1]],
-                    "error": f"failed on {self.w.name}",
-                }
-                self.w.transfer(self.s, later[2], self.peers[later[2]], msg)
+                self._transfer(later[1], later[2], error=f"failed on {self.w.name}")
         for vid in self.created:
             self.s.store.free(vid)
         upstream = isinstance(error, UpstreamFailed)

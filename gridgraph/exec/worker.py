@@ -49,8 +49,6 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from gridgraph.exec import executor, wire
 from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter
 from gridgraph.exec.session import (
@@ -61,6 +59,7 @@ from gridgraph.exec.session import (
     answer,
     encode_reply,
     error_body,
+    one_tensor_per_value,
     transfer_key,
 )
 from gridgraph.exec.transport import Transport
@@ -239,7 +238,7 @@ class Worker:
             session = self._transfer_session(client)
             if session is None:
                 return
-        if msg.get("error") is None and not _one_tensor_per_value(values, msg.get("tensors")):
+        if msg.get("error") is None and not one_tensor_per_value(values, msg.get("tensors")):
             msg = {"error": "a transfer must carry one tensor per value id, each id once, or "
                    "an error"}  # fmt: skip
             payload = b""
@@ -463,17 +462,6 @@ class Worker:
         for session in sessions:
             session.close()
         self._sender.join(timeout=5)
-
-
-def _one_tensor_per_value(values: list, tensors: object) -> bool:
-    """Whether a transfer's tensors match its value ids: one each, no id twice."""
-    return (
-        isinstance(tensors, list)
-        and len(tensors) == len(values)
-        and all(isinstance(t, torch.Tensor) for t in tensors)
-        and all(type(v) is int for v in values)
-        and len(set(values)) == len(values)
-    )
 
 
 def _client_key(sender: str, msg: dict) -> str:
