@@ -120,8 +120,9 @@ class Client:
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
         self._replies: dict[str, dict] = {}
-        # request id -> (worker, payload to resend, the ids it frees)
-        self._outstanding: dict[str, tuple[str, bytes, list[int]]] = {}
+        # request id -> (the identity it is sealed for and only it may answer, payload to
+        # resend, the ids it frees)
+        self._outstanding: dict[str, tuple[str | None, bytes, list[int]]] = {}
         self._cv = threading.Condition()
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
@@ -491,8 +492,10 @@ class Client:
         }
         self.frees[worker] = []
         payload = wire.encode(msg)
-        self._outstanding[rid] = (worker, payload, msg["free"])
-        self.transport.publish(worker_topic(worker), payload, counted)
+        topic = worker_topic(worker)
+        identity = self.transport.recipient(topic)  # looked up once: the reply must match it
+        self._outstanding[rid] = (identity, payload, msg["free"])
+        self.transport.publish(topic, payload, counted, identity)
         return rid
 
     def _wait(self, worker: str, rid: str) -> dict:
@@ -520,9 +523,9 @@ class Client:
                         if not self.alive(w):
                             raise WorkerLost(w, self._values_on(w))
                         if now >= resend[w]:
-                            payload = self._outstanding[rids[w]][1]
+                            identity, payload, _ = self._outstanding[rids[w]]
                             # ipfs: recovery traffic is not counted: stats do not depend on losses
-                            self.transport.publish(worker_topic(w), payload, False)
+                            self.transport.publish(worker_topic(w), payload, False, identity)
                             retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
                             resend[w] = now + retry[w]
                     if now - start > self.timeout:
@@ -548,8 +551,7 @@ class Client:
         except wire.WireError:
             return
         if msg.get("kind") == "reply" and msg.get("re") in self._outstanding:
-            worker = self._outstanding[msg["re"]][0]
-            if sender != self.transport.recipient(worker_topic(worker)):
+            if sender != self._outstanding[msg["re"]][0]:
                 return  # only the worker the request went to may answer it
             with self._cv:
                 self._replies[msg["re"]] = msg

@@ -39,6 +39,7 @@ garbage) raises `Rejected`, naming what was wrong; callers log it and drop the m
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import itertools
 import threading
@@ -82,6 +83,7 @@ def make_identity(peer: str, public: bytes) -> str:
     return f"{peer}{IDENTITY_SEPARATOR}{encode_key(public)}"
 
 
+@functools.lru_cache(maxsize=SENDERS_KEPT)  # every seal and open splits one
 def split_identity(identity: str) -> tuple[str, bytes]:
     """(peer ID, X25519 public key) of an identity made by `make_identity`."""
     peer, sep, key = identity.partition(IDENTITY_SEPARATOR)
@@ -95,6 +97,7 @@ def peer_of(identity: str) -> str:
     return identity.partition(IDENTITY_SEPARATOR)[0]
 
 
+@functools.lru_cache(maxsize=4096)  # every publish names one: hash each name once
 def blind_topic(topic: str) -> str:
     """The PubSub topic that carries `topic`: a hash, so the name (a client's identity and
     session, say) is not in the clear. Both ends compute it from the name they know."""

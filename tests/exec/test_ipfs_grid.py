@@ -327,9 +327,9 @@ def test_a_killed_worker_is_lost_within_10_s_and_the_rest_carry_on(
             if lose_abort:  # w0 must notice by itself that wk is gone (its heartbeats stop)
                 publish = grid.client.transport.publish
 
-                def without_aborts(topic, payload, counted=True):
+                def without_aborts(topic, payload, counted=True, to=None):
                     if wire.decode(payload)["kind"] != "abort":
-                        publish(topic, payload, counted)
+                        publish(topic, payload, counted, to)
 
                 grid.client.transport.publish = without_aborts
             a, b = torch.randn(800, 800) / 30, torch.randn(1000)
