@@ -79,6 +79,7 @@ def decode_key(text: str) -> bytes:
     return raw
 
 
+@functools.lru_cache(maxsize=SENDERS_KEPT)  # every message opened names its sender
 def make_identity(peer: str, public: bytes) -> str:
     return f"{peer}{IDENTITY_SEPARATOR}{encode_key(public)}"
 

@@ -707,6 +707,8 @@ class Run:
         # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
         # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
         # no workspace without it, and nn.LSTM's backward needs that workspace).
+        if torch.is_grad_enabled():  # as it is on a serving thread: one call, not three
+            return self._execute(program, unchecked, limits, check_memory)
         with torch.enable_grad():
             return self._execute(program, unchecked, limits, check_memory)
 
