@@ -186,8 +186,8 @@ def fastest_within(
 
     The free units are decided in recording order (at their first node), each on every
     worker in turn; the simulation runs on node by node, and a branch is cut where its
-    latest finish time (plus, on workers sharing one machine, the compute still to come)
-    reaches the best found so far, or its copies pass `max_bytes`.
+    latest finish time plus the compute that must still follow it reaches the best found so
+    far, or its copies pass `max_bytes`.
     `known`: a placement to start from (within `max_bytes`, e.g. `fewest_bytes`'s), whose
     time is the first bound. More than `max_branches` decisions raise PlacementError.
 
@@ -204,13 +204,16 @@ def fastest_within(
         for _, _, key, nbytes in row:
             for w in range(tl.W):
                 size[key + w] = nbytes
-    # Compute still to come after each node, at the fastest worker: on workers sharing one
-    # machine every op runs after the last, so the finish time is at least the latest plus
-    # that; on separate machines the latest alone bounds it.
+    # Compute that must still run after each node, at the fastest worker: on workers sharing
+    # one machine, every later op (each runs after the last); else the longest chain of ops
+    # that read its result, one after another.
     rest = [0.0] * len(nodes)
-    if tl.shared:
-        for i in range(len(nodes) - 2, -1, -1):
-            rest[i] = rest[i + 1] + min(tl.ct[i + 1])
+    for j in range(len(nodes) - 1, -1, -1):
+        for p, _, _, _ in tl.ins[j]:
+            if p >= 0:
+                rest[p] = max(rest[p], min(tl.ct[j]) + rest[j])
+        if tl.shared and j > 0:
+            rest[j - 1] = max(rest[j - 1], min(tl.ct[j]) + rest[j])
     best: list = [math.inf, None]  # finish time, worker per node
     if known is not None:
         wn = tl.encode(known)
