@@ -10,7 +10,10 @@ under the in-process (`local`) and IPFS (`pubsub`) cost models. For each it prin
   - bytes: bytes moved by `place` / the fewest bytes any placement moves (an integer linear
     program over the same alias units, `exact.fewest_bytes`); the target is <= 1.5;
   - msgs: transfer messages per step (the split plan's `send` steps) and transfers (values);
-  - time: the estimated finish time under the cost model, in microseconds.
+  - time: the estimated finish time under the cost model, in microseconds;
+  - lean: the estimated finish time of the fastest placement moving <= 1.5x the fewest bytes
+    (exact, by branch and bound: `exact.fastest_within`), as a ratio to `place`'s time. Over
+    1, no placement meets both targets (bytes <= 1.5x, no slower) on that graph and model.
 `--dump FILE` writes the placements (a worker per node, in recording order) to FILE;
 `--baseline FILE` reads such a file, written by an earlier version of gridgraph on the same
 graphs, and prints its placements' bytes, messages and finish time under this version's cost
@@ -160,7 +163,7 @@ def main() -> None:
         print(f"placements written to {args.dump}")
         return
 
-    from gridgraph.schedule.exact import fewest_bytes, free_units
+    from gridgraph.schedule.exact import fastest_within, fewest_bytes, free_units
 
     baseline = None
     if args.baseline:
@@ -170,10 +173,12 @@ def main() -> None:
     print("(transfers); time: estimated finish time in us under the model" + (
         "; old -> new: the baseline's placement, then this one's, under this cost model"
         if baseline else ""))  # fmt: skip
+    print("lean: the fastest placement moving <= 1.5x the fewest bytes, its time / place's")
     for name, (nodes, values) in graphs.items():
-        _, least = fewest_bytes(nodes, values, WORKERS)
+        fewest, least = fewest_bytes(nodes, values, WORKERS)
         for model, cost in MODELS.items():
             new = measure(nodes, values, placements[name][model], cost)
+            _, lean = fastest_within(nodes, values, WORKERS, cost, 1.5 * least, known=fewest)
             ratio = new["bytes"] / least if least else (1.0 if new["bytes"] == 0 else 0.0)
             line = (
                 f"{name:<20} {model:>6}  nodes {len(nodes):4d}  free {free_units(nodes, values):3d}"
@@ -182,7 +187,7 @@ def main() -> None:
             if baseline is None:
                 line += (
                     f"  msgs {new['messages']:3d} ({new['transfers']:3d})"
-                    f"  time {new['time'] * 1e6:9.1f}"
+                    f"  time {new['time'] * 1e6:9.1f}  lean {lean / new['time']:.2f}"
                 )
             else:
                 order = baseline["placements"][name][model]
@@ -193,7 +198,7 @@ def main() -> None:
                     f"  old bytes {old['bytes'] / least if least else 0:5.2f}"
                     f"  msgs {old['messages']:3d} -> {new['messages']:3d}"
                     f"  time {old['time'] * 1e6:9.1f} -> {new['time'] * 1e6:9.1f}"
-                    f" ({new['time'] / old['time']:.3f})"
+                    f" ({new['time'] / old['time']:.3f})  lean {lean / new['time']:.2f}"
                 )
             print(line)
     now = messages_per_step()

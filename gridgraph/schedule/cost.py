@@ -64,7 +64,7 @@ class CostModel:
     @classmethod
     def pubsub(cls, **kw) -> CostModel:
         """Workers over IPFS PubSub: every message is a round of gossip."""
-        return cls(latency=10e-3, bandwidth=1e8, **kw)
+        return cls(**{"latency": 10e-3, "bandwidth": 1e8, **kw})
 
     def speed(self, worker: str) -> float:
         return self.worker_flops.get(worker, self.flops)

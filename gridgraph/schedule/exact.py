@@ -9,14 +9,22 @@ ratio to the best possible one. Feasible up to about ten free units on three wor
 same alias units (a unit stays on one worker; stored and pinned units are fixed), solved by
 scipy's `milp` (HiGHS): exact for graphs of a few hundred nodes. scipy is not a dependency of
 gridgraph: `pip install -e .[bench]`.
+
+`fastest_within`: the fastest placement among those moving at most a given number of bytes,
+by branch and bound. Both a partial simulation's latest finish time and the bytes its copies
+move only grow as more nodes are simulated, so a branch is cut as soon as either passes its
+bound: exact for training steps of a few dozen free units, where a ceiling of 1.5x the
+fewest bytes leaves few branches. It tells whether "fast" and "few bytes" conflict on a graph:
+if the fastest placement within the ceiling is slower than `place`'s, no placement is both.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 
-from gridgraph.schedule.cost import CostModel, Timeline
+from gridgraph.schedule.cost import CostModel, SimState, Timeline
 from gridgraph.schedule.place import PlacementError, alias_units
 from gridgraph.trace.graph import Node, Value
 
@@ -33,9 +41,11 @@ def exact_placement(
     cost: CostModel | None = None,
     objective: str = "time",
     max_units: int = 12,
-) -> tuple[dict[int, str], float]:
+    max_bytes: float = math.inf,
+) -> tuple[dict[int, str], float] | None:
     """(placement, its objective) minimizing `objective` ("time": estimated finish time,
-    then bytes; "bytes": bytes moved, then time) over all placements that keep alias units.
+    then bytes; "bytes": bytes moved, then time) over all placements that keep alias units
+    and move at most `max_bytes` (None if none does).
 
     >>> placement, best = exact_placement(nodes, values, ["w0", "w1", "w2"], CostModel.local())
     >>> finish_time(nodes, values, place(nodes, values, ["w0", "w1", "w2"])) / best
@@ -59,9 +69,9 @@ def exact_placement(
         wn = [uw[u] for u in units.of]
         t, b = tl.run(wn), tl.bytes_moved(wn)
         key = (t, b) if objective == "time" else (b, t)
-        if best is None or key < best[0]:
+        if b <= max_bytes and (best is None or key < best[0]):
             best = (key, wn)
-    return tl.decode(best[1]), best[0][0]
+    return None if best is None else (tl.decode(best[1]), best[0][0])
 
 
 def fewest_bytes(
@@ -160,3 +170,97 @@ def fewest_bytes(
             uw[u] = w
     wn = [uw[u] for u in units.of]
     return tl.decode(wn), tl.bytes_moved(wn)
+
+
+def fastest_within(
+    nodes: list[Node],
+    values: Mapping[int, Value],
+    workers: list[str],
+    cost: CostModel | None,
+    max_bytes: float,
+    known: Mapping[int, str] | None = None,
+    max_branches: int = 2_000_000,
+) -> tuple[dict[int, str], float] | None:
+    """(placement, its estimated finish time): the fastest placement that keeps alias units
+    and moves at most `max_bytes`, found exactly by branch and bound; None if none does.
+
+    The free units are decided in recording order (at their first node), each on every
+    worker in turn; the simulation runs on node by node, and a branch is cut where its
+    latest finish time plus the compute that must still follow it reaches the best found so
+    far, or its copies pass `max_bytes`.
+    `known`: a placement to start from (within `max_bytes`, e.g. `fewest_bytes`'s), whose
+    time is the first bound. More than `max_branches` decisions raise PlacementError.
+
+    >>> fewest, least = fewest_bytes(nodes, values, workers)
+    >>> _, t = fastest_within(nodes, values, workers, cost, 1.5 * least, known=fewest)
+    >>> t / finish_time(nodes, values, place(nodes, values, workers, cost), cost)
+    1.42
+    """
+    units = alias_units(nodes, values)
+    tl = Timeline(nodes, values, workers, cost)
+    choices = [tl.index[w] for w in workers]
+    size = {}  # copy key (value key * W + worker) -> bytes
+    for row in tl.ins:
+        for _, _, key, nbytes in row:
+            for w in range(tl.W):
+                size[key + w] = nbytes
+    # Compute that must still run after each node, at the fastest worker: on workers sharing
+    # one machine, every later op (each runs after the last); else the longest chain of ops
+    # that read its result, one after another.
+    rest = [0.0] * len(nodes)
+    for j in range(len(nodes) - 1, -1, -1):
+        for p, _, _, _ in tl.ins[j]:
+            if p >= 0:
+                rest[p] = max(rest[p], min(tl.ct[j]) + rest[j])
+        if tl.shared and j > 0:
+            rest[j - 1] = max(rest[j - 1], min(tl.ct[j]) + rest[j])
+    best: list = [math.inf, None]  # finish time, worker per node
+    if known is not None:
+        wn = tl.encode(known)
+        if tl.bytes_moved(wn) <= max_bytes:
+            best = [tl.run(wn), wn]
+    branches = 0
+
+    def search(i: int, uw: list[int], wn: list[int], st: SimState, moved: int) -> None:
+        """Simulate from node i on; uw / wn: the worker of each unit / node decided so far."""
+        nonlocal branches
+        while i < len(nodes):
+            u = units.of[i]
+            if uw[u] >= 0:
+                moved = _advance(tl, i, wn, st, moved, size)
+                if st.fin[i] + rest[i] >= best[0] or moved > max_bytes:
+                    return
+                i += 1
+                continue
+            for w in choices:
+                branches += 1
+                if branches > max_branches:
+                    raise PlacementError(
+                        f"more than {max_branches} branches: too many placements within "
+                        f"{max_bytes:.0f} bytes to search (max_branches={max_branches})"
+                    )
+                uw_w, wn_w = list(uw), list(wn)
+                uw_w[u] = w
+                for j in units.members[u]:
+                    wn_w[j] = w
+                st_w = st.resumed(st.workers(), dict(st.copies), dict(st.msgs))
+                moved_w = _advance(tl, i, wn_w, st_w, moved, size)
+                if st_w.fin[i] + rest[i] < best[0] and moved_w <= max_bytes:
+                    search(i + 1, uw_w, wn_w, st_w, moved_w)
+            return
+        best[:] = [max(st.free, default=0.0), list(wn)]
+
+    uw = [-1 if w is None else tl.index[w] for w in units.fixed]
+    search(0, uw, [uw[u] for u in units.of], tl.start(), 0)
+    if best[1] is None:
+        return None
+    return tl.decode(best[1]), best[0]
+
+
+def _advance(tl: Timeline, i: int, wn: list[int], st: SimState, moved: int, size: dict) -> int:
+    """Simulate node i; returns the bytes moved so far, counting the copies it made."""
+    made = len(st.copies)
+    tl.advance(i, wn, st)
+    for key in itertools.islice(reversed(st.copies), len(st.copies) - made):
+        moved += size[key]  # copies are only ever added: the new ones are the last
+    return moved

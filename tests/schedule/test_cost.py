@@ -21,6 +21,8 @@ def test_presets_and_links():
     assert local.shared and not pubsub.shared  # in-process workers share one machine
 
     assert pubsub.transfer_time(1_000_000, "w0", "w1") == pytest.approx(0.02)
+    for preset in (CostModel.local, CostModel.pubsub):  # a preset's own numbers can be changed
+        assert preset(latency=1.0, bandwidth=2.0).transfer_time(4, "w0", "w1") == 3.0
     slow = CostModel(worker_flops={"w1": 1e9}, links={("w0", "w1"): (1e3, 0.5)})
     assert slow.compute_time(1e9, "w1") == 1.0 and slow.compute_time(5e10, "w0") == 1.0
     assert slow.transfer_time(1000, "w0", "w1") == 1.5  # that link only, one way
