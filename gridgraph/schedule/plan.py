@@ -40,6 +40,11 @@ A transfer carries values in row-major order: a value laid out otherwise (a tran
 view) is transposed in place to row-major order around its send and back after its recv,
 so both workers hold it in the dimension order the client's metadata says.
 
+Longest chain first: programs are listed, and the sends at one point of a program made, in
+order of the PubSub hops that follow them until the client hears the last reply
+(`_hops_to_end`), so the client's run message, or the transfer, that heads the longest chain
+goes out first (on IPFS each publish takes about a millisecond, one after another).
+
 Steps are grouped into stages: a worker's stage grows by one exactly where it needs a value
 from another worker. A worker receives all its stages in one message and moves on to the next
 stage as soon as the transfers it needs arrive, with no round trip to the client between.
@@ -167,6 +172,7 @@ class _Group:
     stage: int
     before: int
     at: int = -1
+    recv_stage: int = 0  # the receiver's stage that takes it
     slots: list[int] = field(default_factory=list)
     to_row_major: list[tuple] = field(default_factory=list)
     back: list[tuple] = field(default_factory=list)
@@ -301,6 +307,7 @@ def split(
             present[w].add(vid)
         stage[w] = s
         for r in recvs:
+            r.recv_stage = s
             busy_at[w].append(len(steps[w]))
             steps[w].append((s, r))
         outs = [b.slot(v) for v in node.outputs]
@@ -327,11 +334,14 @@ def split(
 
     # Each group's send goes right after the latest step that made one of its values current;
     # values laid out otherwise than row-major are transposed around it (see _layout_swaps).
+    # Sends at one point go longest chain first, as programs do (see _hops_to_end).
+    workers = set(steps) | {g.src for g in groups}
+    hops = _hops_to_end({w: stage[w] + 1 for w in workers}, groups)
     sends: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
-    for g in groups:
+    for g in sorted(groups, key=lambda g: -hops[g.dst, g.recv_stage]):
         sends[g.src][g.at].extend([*g.to_row_major, ("send", g.slots, g.dst), *g.back])
     stage_lists: dict[str, list[list[tuple]]] = {}
-    for w in set(steps) | set(sends):
+    for w in sorted(workers, key=lambda w: (-hops[w, 0], w)):
         stages: list[list[tuple]] = [[] for _ in range(stage[w] + 1)]
         stages[0].extend(sends[w].get(-1, ()))
         for i, (st, step) in enumerate(steps[w]):
@@ -356,6 +366,27 @@ def split(
         uses,
         [placement[n.id] for n in nodes],
     )
+
+
+def _hops_to_end(n_stages: dict[str, int], groups: list[_Group]) -> dict[tuple[str, int], int]:
+    """(worker, stage) -> the PubSub hops, one after another, from the start of that stage
+    until the client hears the last reply that waits on it.
+
+    A client publishes its run messages one after another, and a worker its sends: each
+    publish on IPFS takes about a millisecond. So the plan lists programs, and the sends at
+    one point of a program, longest chain first: the run message (or transfer) that starts
+    the longest chain of hops goes out first. A send reaches a later stage of its receiver
+    than the sender's, so the hops are found stage by stage from the last one back."""
+    out_of: dict[tuple[str, int], list[_Group]] = defaultdict(list)
+    for g in groups:
+        out_of[g.src, g.stage].append(g)
+    hops: dict[tuple[str, int], int] = {}
+    for s in range(max(n_stages.values(), default=0) - 1, -1, -1):
+        for w, n in n_stages.items():
+            if s < n:
+                after = hops[w, s + 1] if s + 1 < n else 1  # its next stage, or its reply
+                hops[w, s] = max([after] + [1 + hops[g.dst, g.recv_stage] for g in out_of[w, s]])
+    return hops
 
 
 def _layout_swaps(meta: TensorMeta) -> list[tuple[int, int]]:

@@ -72,6 +72,19 @@ def test_a_write_between_keeps_a_later_view_out_of_the_message():
     assert steps[0][0] == "send" and steps[1][1] == "aten::add_.Tensor"
 
 
+def test_the_longest_chain_of_hops_starts_first():
+    # w flows w1 -> w2 -> (gradient) -> w0, and w1 -> w0: w1 heads a chain of three hops.
+    b = Builder()
+    w = b.stored((8, 1), "w1")
+    y0 = b(aten.mm.default, b.stored((4, 8), "w0"), w, pin="w0")  # w0 reads w first
+    g2 = b(aten.mm.default, b.stored((4, 8), "w2"), w, pin="w2")
+    b(aten.add.Tensor, y0, g2, pin="w0")
+    plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
+    # the client publishes run messages in this order, and w1 its sends in theirs
+    assert list(plan.programs) == ["w1", "w2", "w0"]
+    assert [send[2] for send in sends(plan, "w1")] == ["w2", "w0"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_the_cost_model_opens_the_messages_split_sends(seed):
     b = random_dag(60, seed, d=32)
