@@ -57,6 +57,47 @@ def test_a_failed_call_names_the_call_and_the_daemons_message(kubo_nodes):
         kubo.block_get("not-a-cid")
 
 
+def serve_once(reply: bytes) -> tuple[str, threading.Thread]:
+    """A loopback listener that answers one request with `reply` and closes: the replies a
+    real daemon never sends. Returns its multiaddr."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            conn.recv(65536)
+            conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}", thread
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"garbage\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n{}",  # shorter than it says
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{}",  # cut short
+    ],
+)
+def test_a_reply_that_is_not_http_is_an_error_naming_the_call(reply):
+    addr, thread = serve_once(reply)
+    with pytest.raises(KuboError, match=r"^/version on "):
+        Kubo(addr, timeout=5).version()
+    thread.join()
+
+
+def test_a_reply_that_closes_its_connection_is_read_to_the_end():
+    body = b'{"Version": "9.9.9"}'
+    addr, thread = serve_once(b"HTTP/1.0 200 OK\r\n\r\n" + body)  # no length: ends at close
+    kubo = Kubo(addr, timeout=5)
+    assert kubo.version() == "9.9.9"
+    assert getattr(kubo._local, "conn", None) is None  # not kept: the server closed it
+    thread.join()
+
+
 def test_pubsub_round_trip_every_byte_value(kubo_nodes):
     publisher, subscriber = Kubo(kubo_nodes[0].api), Kubo(kubo_nodes[1].api)
     topic = f"test/{uuid.uuid4()} with spaces & ünïcode"
