@@ -115,20 +115,21 @@ _LIBRARY_DIRS = tuple(
 _SKIP = ("<frozen", "<string>")
 
 
-_in_library: dict[Any, bool] = {}  # code object -> whether it belongs to gridgraph or torch
+# File name -> whether it belongs to gridgraph or torch. Keyed by name, not code object: a
+# string caches its hash, a code object hashes its constants and names on every look-up.
+_in_library: dict[str, bool] = {}
 
 
 def user_frame() -> str:
     """file:line of the innermost frame outside gridgraph and torch."""
     f = sys._getframe(1)
     while f is not None:
-        code = f.f_code
-        inside = _in_library.get(code)
+        fn = f.f_code.co_filename
+        inside = _in_library.get(fn)
         if inside is None:
-            fn = code.co_filename
-            inside = _in_library[code] = fn.startswith(_LIBRARY_DIRS) or fn.startswith(_SKIP)
+            inside = _in_library[fn] = fn.startswith(_LIBRARY_DIRS) or fn.startswith(_SKIP)
         if not inside:
-            return f"{code.co_filename}:{f.f_lineno}"
+            return f"{fn}:{f.f_lineno}"
         f = f.f_back
     return "<unknown>"
 
