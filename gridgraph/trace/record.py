@@ -120,9 +120,13 @@ _SKIP = ("<frozen", "<string>")
 _in_library: dict[str, bool] = {}
 
 
-def user_frame() -> str:
-    """file:line of the innermost frame outside gridgraph and torch."""
-    f = sys._getframe(1)
+def user_frame(skip: int = 0) -> str:
+    """file:line of the innermost frame outside gridgraph and torch, looking from `skip`
+    frames above the caller (frames the caller knows to be gridgraph's or torch's)."""
+    try:
+        f: Any = sys._getframe(1 + skip)
+    except ValueError:  # the stack is not that deep: no frame of the user's
+        return "<unknown>"
     while f is not None:
         fn = f.f_code.co_filename
         inside = _in_library.get(fn)
@@ -398,7 +402,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     pins = state.get("pins")
     pin = pins[-1] if pins else None
     eager = not state.get("depth")
-    where = user_frame()
+    where = user_frame(skip=2)  # this function and RemoteTensor.__torch_dispatch__
     node = Node(
         graph.new_id(),
         op,
