@@ -374,7 +374,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         return p._owner.fetch(p._vid).item()
 
     walk = _Walk(pointer_type)
-    t_args = tuple(map(walk.convert, args))
+    t_args = tuple([walk.convert(a) for a in args])
     key = walk.key
     key.append("|")
     t_kwargs = {}
