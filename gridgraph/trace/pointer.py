@@ -33,15 +33,18 @@ class RemoteTensor(torch.Tensor):
     def __new__(cls, owner: Any, value_id: int, meta: TensorMeta, requires_grad: bool = False):
         if cls is RemoteTensor and meta.dtype in _INDEX_DTYPES:
             cls = IndexPointer
-        t = _make_wrapper(
-            cls,
-            meta.shape,
-            strides=meta.stride,
-            storage_offset=meta.offset,
-            dtype=meta.dtype,
-            device=_CPU,
-            requires_grad=requires_grad,
-        )
+        if meta.offset or requires_grad:
+            t = _make_wrapper(
+                cls,
+                meta.shape,
+                strides=meta.stride,
+                storage_offset=meta.offset,
+                dtype=meta.dtype,
+                device=_CPU,
+                requires_grad=requires_grad,
+            )
+        else:  # most pointers: torch parses each keyword, so leave out the defaults
+            t = _make_wrapper(cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=_CPU)
         if meta.bits:
             meta.mark(t)
         t._owner = owner

@@ -115,20 +115,25 @@ _LIBRARY_DIRS = tuple(
 _SKIP = ("<frozen", "<string>")
 
 
-_in_library: dict[Any, bool] = {}  # code object -> whether it belongs to gridgraph or torch
+# File name -> whether it belongs to gridgraph or torch. Keyed by name, not code object: a
+# string caches its hash, a code object hashes its constants and names on every look-up.
+_in_library: dict[str, bool] = {}
 
 
-def user_frame() -> str:
-    """file:line of the innermost frame outside gridgraph and torch."""
-    f = sys._getframe(1)
+def user_frame(skip: int = 0) -> str:
+    """file:line of the innermost frame outside gridgraph and torch, looking from `skip`
+    frames above the caller (frames the caller knows to be gridgraph's or torch's)."""
+    try:
+        f: Any = sys._getframe(1 + skip)
+    except ValueError:  # the stack is not that deep: no frame of the user's
+        return "<unknown>"
     while f is not None:
-        code = f.f_code
-        inside = _in_library.get(code)
+        fn = f.f_code.co_filename
+        inside = _in_library.get(fn)
         if inside is None:
-            fn = code.co_filename
-            inside = _in_library[code] = fn.startswith(_LIBRARY_DIRS) or fn.startswith(_SKIP)
+            inside = _in_library[fn] = fn.startswith(_LIBRARY_DIRS) or fn.startswith(_SKIP)
         if not inside:
-            return f"{code.co_filename}:{f.f_lineno}"
+            return f"{fn}:{f.f_lineno}"
         f = f.f_back
     return "<unknown>"
 
@@ -250,6 +255,15 @@ def _intern(signature: tuple) -> int:
 # --- the recording itself -------------------------------------------------------------------
 
 
+# Argument types recorded as they are, keyed by value. Checked by exact type before the
+# isinstance checks below: the one against torch.Generator runs Python code (its
+# metaclass's __instancecheck__) for every argument that reaches it.
+_PLAIN_SCALARS = frozenset(
+    {int, bool, type(None), str, torch.dtype, torch.layout, torch.memory_format}
+)
+_new_tuple = tuple.__new__
+
+
 class _Walk:
     """One walk over a call's arguments: the template, the metadata key, the owner, the
     remote inputs, and the parameters (floats and local tensors: what may change between
@@ -275,7 +289,10 @@ class _Walk:
             vid = a._vid
             self.key.append(owner.graph.values[vid].meta)
             self.inputs.append(vid)
-            return Ref(vid)
+            return _new_tuple(Ref, (vid,))  # Ref(vid) without the NamedTuple's Python __new__
+        if type(a) in _PLAIN_SCALARS:
+            self.key.append((type(a), a))
+            return a
         if isinstance(a, torch.Tensor):
             if a.device.type != "cpu":
                 raise RecordError(
@@ -381,7 +398,11 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
 
     graph = owner.graph
     spec = recipe.spec
-    pin = pinned()
+    state = _state.__dict__  # this thread's trace state: the pin and whether to defer
+    pins = state.get("pins")
+    pin = pins[-1] if pins else None
+    eager = not state.get("depth")
+    where = user_frame(skip=2)  # this function and RemoteTensor.__torch_dispatch__
     node = Node(
         graph.new_id(),
         op,
@@ -391,7 +412,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         "" if spec is None else spec.kind,
         0,
         () if not recipe.alias.written else _writes(t_args, t_kwargs, recipe.alias),
-        {"where": user_frame()} if pin is None else {"where": user_frame(), "pin": pin},
+        {"where": where} if pin is None else {"where": where, "pin": pin},
         (),
         recipe.sig(pin, key),
         tuple(walk.params),
@@ -400,20 +421,33 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     if spec is None:
         return _record_data_dependent(owner, node)
     if recipe.views is not None:
-        return _record_fresh_or_view(owner, node, spec, recipe.views)
+        return _record_fresh_or_view(owner, node, spec, recipe.views, eager)
     if recipe.in_place:
-        return _record_in_place(owner, node, spec.metas[0], args[0])
-    return _record_aliasing(owner, node, spec, recipe.alias, args, kwargs, pointer_type)
+        return _record_in_place(owner, node, spec.metas[0], args[0], eager)
+    return _record_aliasing(owner, node, spec, recipe.alias, args, kwargs, pointer_type, eager)
 
 
 def _record_fresh_or_view(
-    owner: Owner, node: Node, spec: OutputSpec, views: tuple[int | None, ...]
+    owner: Owner, node: Node, spec: OutputSpec, views: tuple[int | None, ...], eager: bool
 ) -> Any:
     """Record an op that writes nothing: each output is a fresh tensor, or a view of the
     remote tensor at its positional argument in `views` (same storage)."""
     graph = owner.graph
     values = graph.values
     nid = node.id
+    if spec.kind == "tensor":  # one output: most ops
+        src = views[0]
+        storage = None if src is None else values[node.args[src].value].storage
+        vid = graph.add_value(spec.metas[0], storage, producer=nid).id
+        node.outputs = (vid,)
+        node.n_returns = 1
+        out = owner.make_pointer(vid)
+        try:
+            owner.record(node, eager=eager)
+        except (PlacementError, RecordError):
+            owner.discard(node)
+            raise
+        return out
     vids: list[int | None] = []
     for meta, src in zip(spec.metas, views):
         if meta is None:  # the op returned no tensor here
@@ -423,16 +457,16 @@ def _record_fresh_or_view(
             vids.append(graph.add_value(meta, storage, producer=nid).id)
     node.outputs = tuple([v for v in vids if v is not None])
     node.n_returns = len(node.outputs)
-    out = [None if v is None else owner.make_pointer(v) for v in vids]
+    outs = [None if v is None else owner.make_pointer(v) for v in vids]
     try:
-        owner.record(node, eager=not tracing())
+        owner.record(node, eager=eager)
     except (PlacementError, RecordError):
         owner.discard(node)
         raise
-    return out[0] if spec.kind == "tensor" else _structure(spec.kind, out)
+    return _structure(spec.kind, outs)
 
 
-def _record_in_place(owner: Owner, node: Node, meta: TensorMeta, pointer: Any) -> Any:
+def _record_in_place(owner: Owner, node: Node, meta: TensorMeta, pointer: Any, eager: bool) -> Any:
     """Record an op that writes its first argument and returns it (`add_`, `t_`): the
     pointer names the new version, with the layout the op gave it."""
     graph = owner.graph
@@ -446,7 +480,7 @@ def _record_in_place(owner: Owner, node: Node, meta: TensorMeta, pointer: Any) -
         shaped_before = TensorMeta.of(pointer)
         pointer._set_meta(meta)
     try:
-        owner.record(node, eager=not tracing())
+        owner.record(node, eager=eager)
     except (PlacementError, RecordError):
         # Nothing ran: leave the pointer naming what it named before the call.
         owner.rebind(pointer, before.id)
@@ -465,6 +499,7 @@ def _record_aliasing(
     args: tuple,
     kwargs: dict,
     pointer_type: type,
+    eager: bool,
 ) -> Any:
     """Record a view or an in-place op: outputs share storages, written pointers rebind."""
     graph = owner.graph
@@ -530,7 +565,7 @@ def _record_aliasing(
     out = [r if r is None or isinstance(r, pointer_type) else owner.make_pointer(r)
            for r in results]  # fmt: skip
     try:
-        owner.record(node, eager=not tracing())
+        owner.record(node, eager=eager)
     except (PlacementError, RecordError):
         # Nothing ran: leave every pointer naming what it named before the call.
         for p, vid in reversed(undo):
