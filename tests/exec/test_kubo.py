@@ -57,20 +57,27 @@ def test_a_failed_call_names_the_call_and_the_daemons_message(kubo_nodes):
         kubo.block_get("not-a-cid")
 
 
-def serve_once(reply: bytes) -> tuple[str, threading.Thread]:
+def serve_once(reply: bytes, ipv6: bool = False, got: list | None = None):
     """A loopback listener that answers one request with `reply` and closes: the replies a
-    real daemon never sends. Returns its multiaddr."""
-    listener = socket.create_server(("127.0.0.1", 0))
+    real daemon never sends. Returns its multiaddr and its thread; the request it read is
+    appended to `got`."""
+    if ipv6:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
 
     def answer() -> None:
         conn, _ = listener.accept()
         with conn, listener:
-            conn.recv(65536)
+            request = conn.recv(65536)
+            if got is not None:
+                got.append(request)
             conn.sendall(reply)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
-    return f"/ip4/127.0.0.1/tcp/{listener.getsockname()[1]}", thread
+    port = listener.getsockname()[1]
+    return (f"/ip6/::1/tcp/{port}" if ipv6 else f"/ip4/127.0.0.1/tcp/{port}"), thread
 
 
 @pytest.mark.parametrize(
@@ -96,6 +103,16 @@ def test_a_reply_that_closes_its_connection_is_read_to_the_end():
     assert kubo.version() == "9.9.9"
     assert getattr(kubo._local, "conn", None) is None  # not kept: the server closed it
     thread.join()
+
+
+def test_an_ipv6_api_address_is_a_bracketed_host_header():
+    got: list[bytes] = []
+    addr, thread = serve_once(b'HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\n{"Version": "9.9.9"}',
+                              ipv6=True, got=got)  # fmt: skip
+    assert Kubo(addr, timeout=5).version() == "9.9.9"
+    thread.join()
+    port = addr.rsplit("/", 1)[1]
+    assert f"\r\nHost: [::1]:{port}\r\n".encode() in got[0]
 
 
 def test_pubsub_round_trip_every_byte_value(kubo_nodes):

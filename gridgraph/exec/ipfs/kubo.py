@@ -151,6 +151,8 @@ class Kubo:
         self.addr = addr
         self.timeout = timeout
         self._host, self._port, self._base = _rpc_endpoint(addr)
+        host = f"[{self._host}]" if ":" in self._host else self._host  # an IPv6 address
+        self._authority = f"{host}:{self._port}"
         self._local = threading.local()  # this thread's kept connection
 
     def _call(
@@ -165,7 +167,7 @@ class Kubo:
     ) -> Any:
         """POST one RPC call; its JSON objects (decoder "json") or raw body ("none")."""
         query = urllib.parse.urlencode([("arg", a) for a in args] + list((opts or {}).items()))
-        head = f"POST {self._base}{path}?{query} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\n"
+        head = f"POST {self._base}{path}?{query} HTTP/1.1\r\nHost: {self._authority}\r\n"
         body = b""
         if data is not None:
             boundary = os.urandom(16).hex()
