@@ -51,6 +51,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -707,9 +708,8 @@ class Run:
         # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
         # so nothing is tracked, but some kernels read the mode (mkldnn_rnn_layer returns
         # no workspace without it, and nn.LSTM's backward needs that workspace).
-        if torch.is_grad_enabled():  # as it is on a serving thread: one call, not three
-            return self._execute(program, unchecked, limits, check_memory)
-        with torch.enable_grad():
+        # (on a serving thread it is on already: then no context, one call instead of three)
+        with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
             return self._execute(program, unchecked, limits, check_memory)
 
     def _execute(

@@ -435,35 +435,28 @@ def _record_fresh_or_view(
     graph = owner.graph
     values = graph.values
     nid = node.id
-    if spec.kind == "tensor":  # one output: most ops
+    if spec.kind == "tensor":  # one output: most ops, without the loops below
         src = views[0]
         storage = None if src is None else values[node.args[src].value].storage
-        vid = graph.add_value(spec.metas[0], storage, producer=nid).id
-        node.outputs = (vid,)
-        node.n_returns = 1
-        out = owner.make_pointer(vid)
-        try:
-            owner.record(node, eager=eager)
-        except (PlacementError, RecordError):
-            owner.discard(node)
-            raise
-        return out
-    vids: list[int | None] = []
-    for meta, src in zip(spec.metas, views):
-        if meta is None:  # the op returned no tensor here
-            vids.append(None)
-        else:
-            storage = None if src is None else values[node.args[src].value].storage
-            vids.append(graph.add_value(meta, storage, producer=nid).id)
-    node.outputs = tuple([v for v in vids if v is not None])
+        node.outputs = (graph.add_value(spec.metas[0], storage, producer=nid).id,)
+        result = owner.make_pointer(node.outputs[0])
+    else:
+        vids: list[int | None] = []
+        for meta, src in zip(spec.metas, views):
+            if meta is None:  # the op returned no tensor here
+                vids.append(None)
+            else:
+                storage = None if src is None else values[node.args[src].value].storage
+                vids.append(graph.add_value(meta, storage, producer=nid).id)
+        node.outputs = tuple([v for v in vids if v is not None])
+        result = _structure(spec.kind, [None if v is None else owner.make_pointer(v) for v in vids])
     node.n_returns = len(node.outputs)
-    outs = [None if v is None else owner.make_pointer(v) for v in vids]
     try:
         owner.record(node, eager=eager)
     except (PlacementError, RecordError):
         owner.discard(node)
         raise
-    return _structure(spec.kind, outs)
+    return result
 
 
 def _record_in_place(owner: Owner, node: Node, meta: TensorMeta, pointer: Any, eager: bool) -> Any:
