@@ -178,7 +178,7 @@ class Kubo:
                 data,
                 f"\r\n--{boundary}--\r\n".encode(),
             ])  # fmt: skip
-        request = f"{head}Content-Length: {len(body)}\r\n\r\n".encode()
+        head_bytes = f"{head}Content-Length: {len(body)}\r\n\r\n".encode()
         seconds = timeout if timeout is not None else self.timeout
         for attempt in (0, 1):
             conn = getattr(self._local, "conn", None)
@@ -186,7 +186,7 @@ class Kubo:
             try:
                 if conn is None:
                     conn = self._local.conn = _Connection(self._host, self._port, seconds)
-                status, content, keep = conn.exchange(request, body, seconds)
+                status, content, keep = conn.exchange(head_bytes, body, seconds)
                 break
             except (OSError, _BadReply) as error:
                 if conn is not None:
@@ -281,15 +281,15 @@ class _Connection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reader = self.sock.makefile("rb")
 
-    def exchange(self, request: bytes, body: bytes, timeout: float) -> tuple[int, bytes, bool]:
-        """Send one request (head, then body); (status, reply body, whether the connection
+    def exchange(self, head: bytes, body: bytes, timeout: float) -> tuple[int, bytes, bool]:
+        """Send one request (its head, then its body); (status, reply body, whether the connection
         stays open). Raises ConnectionError if the daemon had closed it, OSError on a
         time-out or a broken socket, _BadReply on a reply that is not HTTP/1.1."""
         self.sock.settimeout(timeout)
         if len(body) < 1 << 16:
-            self.sock.sendall(request + body)
+            self.sock.sendall(head + body)
         else:  # a block: not copied once more
-            self.sock.sendall(request)
+            self.sock.sendall(head)
             self.sock.sendall(body)
         status_line = self._reader.readline(LINE_MAX)
         if not status_line:
