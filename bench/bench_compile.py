@@ -6,7 +6,14 @@ The issue's small model: a 13 -> 64 -> 1 MLP, batch 32, SGD with momentum, on
 `gg.local_grid(2)` (the model on w0, the data on w1). Each step reads its loss (`.item()`),
 as a training loop that prints it does. Prints per step: wall time of each of the three (the
 median of interleaved rounds, so machine noise hits all three alike), their ratios to plain
-torch, and messages per step of the traced and the compiled step. `--profile` prints where
+torch, and messages per step of the traced and the compiled step.
+
+It also prints plain torch timed before the grid starts, alone in the process. The
+interleaved plain step is slower: the workers' threads each hold an OpenMP team, and once a
+process has more OpenMP threads than cores, libgomp lets idle helpers sleep at once, so each
+small matrix product on the user's thread pays to wake its helper (see bench_threads.py).
+That slowdown is a cost gridgraph puts on the user's own torch code; the ratios against the
+lone plain step count it. `--profile` prints where
 the client's time goes in a replayed step (cProfile).
 """
 
@@ -60,6 +67,10 @@ def main() -> None:
     def plain_step() -> float:
         return train_step(plain, plain_opt, X, Y).item()
 
+    for _ in range(5):
+        plain_step()
+    alone = statistics.median(timed(plain_step, args.steps) for _ in range(args.rounds))
+
     with gg.local_grid(2) as grid:
         w0, w1 = grid.workers
         traced, compiled = make_model().send(w0), make_model().send(w0)
@@ -105,6 +116,9 @@ def main() -> None:
             msgs = f"   messages/step {messages[name]:.1f}" if name in messages else ""
             print(f"  {name:9s} {med[name] * 1e6:9.1f} us/step   {ratio:6.2f}x plain torch{msgs}")
         print(f"  compiled vs traced: {med['compiled'] / med['traced']:.2f}x")
+        print(f"plain torch alone, timed before the grid started: {alone * 1e6:.1f} us/step")
+        for name in ("plain", "traced", "compiled"):
+            print(f"  {name:9s} {med[name] / alone:6.2f}x plain torch alone")
 
         if args.profile:
             profiler = cProfile.Profile()

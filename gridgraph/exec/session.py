@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gridgraph.exec import wire
+from gridgraph.exec import intraop, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     LimitExceeded,
@@ -416,7 +416,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
         raise RequestError(f"run of plan {plan_id} does not fit its program")
     peers = _peers(msg.get("peers", {}), program, plan_id)
     # Checked from meta shapes before anything runs or changes; frees count as done.
-    peak, work, unchecked = program.footprint(session.store, slots, params)
+    peak, work, op_work = program.footprint(session.store, slots, params)
     held = session.memory() - session.store.bytes_freed_by(frees)
     if "program" in msg and plan_id not in session.programs:
         held += program.nbytes
@@ -427,7 +427,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     session.programs.move_to_end(plan_id)
     _free(session, frees)
     deadline = host.limits.deadline(start)
-    return Run(host, session, run, slots, params, peers, deadline).execute(program, unchecked)
+    return Run(host, session, run, slots, params, peers, deadline).execute(program, op_work)
 
 
 def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
@@ -479,11 +479,14 @@ class Program:
         self.calls: dict[int, CompiledCall] = {
             i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
         }
-        # (input metas, params) -> (bytes at peak, work, steps checked only when they run)
-        self._footprints: OrderedDict[tuple, tuple[int, float, frozenset[int]]] = OrderedDict()
+        # (input metas, params) -> (bytes at peak, work, {call step: its work})
+        self._footprints: OrderedDict[tuple, tuple[int, float, dict[int, float]]] = OrderedDict()
 
     def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> tuple:
-        """(new bytes at the peak, work, indices of steps left to check at run time)."""
+        """(new bytes at the peak, work, {call step index: its work}).
+
+        A call step missing from the dict depends on a transfer or on data: it is checked
+        when it runs (`Run.call`)."""
         inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
         key = (
             tuple((s, _meta_key(t)) for s, t in inputs.items()),
@@ -594,14 +597,14 @@ def _param_key(p: Any) -> Any:
 def _footprint(
     steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
 ) -> tuple:
-    """Run `steps` on meta tensors: the peak of new bytes, the work, the unchecked steps."""
+    """Run `steps` on meta tensors: the peak of new bytes, the work, each known call's work."""
     metas = {s: meta_like(t) for s, t in inputs.items()}
     meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
     new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
     users: dict[int, int] = {}  # meta storage -> slots naming it
     now = peak = 0
     work = 0.0
-    unchecked: set[int] = set()
+    op_work: dict[int, float] = {}
 
     def bind(slot: int, t: torch.Tensor | None) -> None:
         nonlocal now
@@ -630,12 +633,11 @@ def _footprint(
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
                 footprint = op_footprint(calls[i].op, resolved, kw)
             if footprint is None:  # depends on a transfer or on data: check when it runs
-                unchecked.add(i)
                 for slot in [*outs, *(s for _, s in writes)]:
                     bind(slot, None)
                 continue
-            result, made, op_work = footprint
-            work += op_work
+            result, made, op_work[i] = footprint
+            work += op_work[i]
             new_bytes.update(made)
             now += sum(made.values())
             peak = max(peak, now)
@@ -654,7 +656,7 @@ def _footprint(
             t = metas[step[1]]
             now += t.numel() * t.element_size()
             peak = max(peak, now)
-    return peak, work, frozenset(unchecked)
+    return peak, work, op_work
 
 
 def _meta_arg(a: Any, metas: dict, params: dict) -> Any:
@@ -702,7 +704,7 @@ class Run:
         self.s.store.put(vid, tensor)
         self.created.append(vid)
 
-    def execute(self, program: Program, unchecked: frozenset[int]) -> dict:
+    def execute(self, program: Program, op_work: dict[int, float]) -> dict:
         limits = self.w.limits
         check_memory = limits.max_client_memory is not None
         # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
@@ -710,10 +712,13 @@ class Run:
         # no workspace without it, and nn.LSTM's backward needs that workspace).
         # (on a serving thread it is on already: then no context, one call instead of three)
         with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
-            return self._execute(program, unchecked, limits, check_memory)
+            try:
+                return self._execute(program, op_work, limits, check_memory)
+            finally:
+                intraop.restore_default()
 
     def _execute(
-        self, program: Program, unchecked: frozenset[int], limits: Limits, check_memory: bool
+        self, program: Program, op_work: dict[int, float], limits: Limits, check_memory: bool
     ) -> dict:
         returns, dynamic = [], []
         deadline = self.deadline
@@ -723,7 +728,7 @@ class Run:
                     raise TimeLimitExceeded(limits.max_request_seconds)
                 kind = step[0]
                 if kind == "call":
-                    report = self.call(program.calls[i], check=i in unchecked)
+                    report = self.call(program.calls[i], op_work.get(i))
                     if report is not None:
                         dynamic.append(report)
                     if check_memory:  # a sum of running counts: no walk over the store
@@ -740,11 +745,13 @@ class Run:
                 return self.fail(program.steps, i, e)
         return {"returns": returns, "dynamic": dynamic}
 
-    def call(self, call: CompiledCall, check: bool) -> list | None:
+    def call(self, call: CompiledCall, work: float | None) -> list | None:
+        """Run one call step; `work` None: its footprint is not known yet (see `footprint`)."""
         name, outs, writes, report = call.name, call.outs, call.writes, call.report
         resolved, kw = call.arguments(self.value, self.params)
-        if check:  # its inputs came during the run: check its footprint now, before it runs
-            self.check_footprint(call, resolved, kw)
+        if work is None:  # its inputs came during the run: check its footprint now
+            work = self.check_footprint(call, resolved, kw)
+        intraop.use_threads_for(work)
         result = call.run(self.s.rng, resolved, kw)
         check_view(result)
         self.s.ops_run += 1
@@ -783,14 +790,16 @@ class Run:
             return [outs[0], kind, metas, []]
         return None
 
-    def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> None:
+    def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
+        """Check the call's new bytes and work against the limits; return its work."""
         footprint = call.footprint(args, kwargs)
         if footprint is None:
-            return  # data-dependent: its output is no larger than its input
+            return 0.0  # data-dependent: its output is no larger than its input
         made, work = footprint
         limits = self.w.limits
         limits.check_memory(self.s.memory() + made, call.name)
         limits.check_work(work, call.name)
+        return work
 
     def send(self, slots: list[int], dst: str) -> None:
         """Send the values in `slots` to worker `dst`, all in one transfer message."""

@@ -101,8 +101,10 @@ def test_batchnorm_running_stats_updated_in_place(local_grid):
 
     losses, models, step = three_ways(local_grid, cnn, X, Y, F.cross_entropy, spread)
     assert losses["compiled"] == losses["traced"]
-    torch.testing.assert_close(losses["compiled"], losses["plain"])
-    assert_same_state(models, exact_plain=False)  # conv: another summation order than here
+    # conv sums in another order on a worker (see intraop.py): equal to float32 rounding
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    torch.testing.assert_close(f32(losses["compiled"]), f32(losses["plain"]))
+    assert_same_state(models, exact_plain=False)
     bn = models["compiled"][1]
     assert bn.num_batches_tracked.get().item() == STEPS
     assert step.replays == STEPS - 3
