@@ -15,7 +15,9 @@ A client is one session of one authenticated peer (see worker.py). Policy:
     rate        each peer may send `requests_per_second` requests, in bursts of up to
                 `request_burst`; the rest are refused, naming the limit.
     sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one
-                evicts the peer's own least recently seen idle session.
+                evicts the peer's own least recently seen idle session. A session that a
+                transfer opens counts against the transfer's sender until its client adopts
+                it (worker.py).
 
 Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()` (what
 `gg.local_grid` uses unless asked: an in-process grid serves only its own user).

@@ -151,6 +151,8 @@ class Session:
 
     def __init__(self, key: str, peer: str) -> None:
         self.key, self.peer = key, peer
+        # The identity whose transfer opened it, until its client's first request (worker.py)
+        self.opened_by: str | None = None
         self.store = ObjectStore()
         self.programs: OrderedDict[int, Program] = OrderedDict()
         self.records: OrderedDict[str, Record] = OrderedDict()

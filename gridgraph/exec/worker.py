@@ -8,7 +8,12 @@ State:
     sessions   client key -> Session (session.py): everything kept for one client. A client
                is the authenticated sender (`sender`, the transport's identity) plus the
                session id it chose; each peer may hold `limits.sessions_per_peer` of them
-               (a new one beyond that evicts the peer's own least recently seen idle one)
+               (a new one beyond that evicts the peer's own least recently seen idle one).
+               A transfer may arrive before its client's first request and open the session
+               it names: such a session counts against the identity that sent the transfer
+               (`sessions_per_peer` of them, and no eviction), not against the peer it
+               names, until that peer's own request adopts it. So no one else's transfers
+               can make a worker end a client's sessions.
     rate       a token bucket per peer (limits.py)
 
 Policy:
@@ -203,24 +208,43 @@ class Worker:
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         ).start()
 
-    def _session(self, key: str, peer: str, create: bool) -> Session | None:
+    def _session(
+        self, key: str, peer: str, create: bool, opened_by: str | None = None
+    ) -> Session | None:
+        """Session `key` of `peer`; if there is none and `create`, a new one. A request
+        passes `opened_by=None`; a transfer passes its sender's identity (see the module
+        docstring), and never adopts or evicts a session."""
         with self._lock:
             session = self.sessions.get(key)
-            if session is not None or not create:
+            if session is None and not create:
+                return None
+            if session is not None and (not create or opened_by or not session.opened_by):
                 return session
-            theirs = [s for s in self.sessions.values() if s.peer == peer]
-            if len(theirs) >= self.limits.sessions_per_peer:
-                idle = [s for s in theirs if not s.busy]
-                if not idle:
+            # A new session, or its client's first request to one a transfer opened.
+            limit = self.limits.sessions_per_peer
+            if opened_by:
+                if sum(s.opened_by == opened_by for s in self.sessions.values()) >= limit:
                     raise LimitExceeded(
-                        f"this peer already runs {len(theirs)} sessions here (sessions_per_peer)"
+                        f"transfers from {opened_by} already opened {limit} sessions here "
+                        f"(sessions_per_peer)"
                     )
-                oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
-                del self.sessions[oldest.key]
-                log.info("%s: client %s evicted: its peer opened a session over its %d",
-                         self.name, oldest.key, self.limits.sessions_per_peer)  # fmt: skip
-                oldest.close()
-            session = self.sessions[key] = Session(key, peer)
+            else:
+                theirs = [s for s in self.sessions.values() if s.peer == peer and not s.opened_by]
+                if len(theirs) >= limit:
+                    idle = [s for s in theirs if not s.busy]
+                    if not idle:
+                        raise LimitExceeded(
+                            f"this peer already runs {len(theirs)} sessions here "
+                            f"(sessions_per_peer)"
+                        )
+                    oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
+                    del self.sessions[oldest.key]
+                    log.info("%s: client %s evicted: its peer opened a session over its %d",
+                             self.name, oldest.key, limit)  # fmt: skip
+                    oldest.close()
+            if session is None:
+                session = self.sessions[key] = Session(key, peer)
+            session.opened_by = opened_by
             return session
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
@@ -235,7 +259,7 @@ class Worker:
             return
         session = self._session(client, client.split("/", 1)[0], create=False)
         if session is None:
-            session = self._transfer_session(client)
+            session = self._transfer_session(client, sender)
             if session is None:
                 return
         if msg.get("error") is None and not one_tensor_per_value(values, msg.get("tensors")):
@@ -253,10 +277,10 @@ class Worker:
         # client named for the sending worker.
         session.deliver(key, sender, msg, payload)
 
-    def _transfer_session(self, client: str) -> Session | None:
-        """The session a transfer names, created if its peer may hold one more."""
+    def _transfer_session(self, client: str, sender: str) -> Session | None:
+        """The session a transfer from `sender` names, opened if `sender` may open one more."""
         try:
-            return self._session(client, client.split("/", 1)[0], create=True)
+            return self._session(client, client.split("/", 1)[0], create=True, opened_by=sender)
         except (RequestError, LimitExceeded) as e:
             log.warning("%s: dropped a transfer for %s: %s", self.name, client, e)
             return None

@@ -27,6 +27,7 @@ from hostile import Peer, call, frame, run, tensor_ref
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.transport import pack_blocks
+from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
@@ -492,3 +493,17 @@ def test_the_victim_stays_exact_while_the_attacker_floods(arena):
         arena.attacker.send(arena.target, run(attack, [1, 2, 3]) if isinstance(attack, list)
                             else attack)  # fmt: skip
         arena.check()
+
+
+def test_transfers_naming_new_sessions_of_the_victim_evict_none_of_its_own(arena):
+    # A worker keeps at most `sessions_per_peer` sessions per peer, and makes room by
+    # ending that peer's oldest idle one. The attacker names fresh sessions of the victim's
+    # peer in transfers: were a transfer to open a session, the victim's own would go.
+    victim = arena.victim.client.transport.identity
+    poison = torch.full((4,), 99.0)
+    for i in range(3 * Limits().sessions_per_peer):
+        msg = {"kind": "transfer", "client": f"{victim}/forged-{i}", "run": 1, "values": [1],
+               "src": arena.other, "tensors": [poison]}  # fmt: skip
+        arena.attacker.publish(arena.target, wire.encode(msg))
+    arena.attacker.request(arena.target, {"kind": "ping"})  # the flood was taken in
+    arena.check()

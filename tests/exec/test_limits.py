@@ -10,9 +10,11 @@ import threading
 
 import pytest
 import torch
+from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
+from gridgraph.exec import wire
 from gridgraph.exec.limits import Limits, RateLimiter, format_size, parse_size
 from gridgraph.schedule.plan import Slot
 
@@ -130,6 +132,25 @@ def test_a_peer_holds_at_most_its_share_of_sessions_and_a_new_one_evicts_its_old
         assert torch.equal(peers[2].request("w0", fetch)["returns"][0][1], torch.ones(2))
         x = torch.randn(3)  # another peer's sessions are never evicted for it
         assert torch.equal((x.send(grid.workers[0]) + 1).get(), x + 1)
+
+
+def test_transfers_open_sessions_on_their_senders_share_and_the_client_adopts_them():
+    with gg.local_grid(1, limits=Limits(sessions_per_peer=2)) as grid:
+        sessions = grid.local_workers[0].sessions
+        sender = Peer(grid, "w1")  # a worker whose transfers arrive before the client's run
+        for i in range(3):
+            transfer = {"kind": "transfer", "client": f"many/s{i}", "run": 1, "src": "w1",
+                        "values": [5], "tensors": [torch.full((2,), float(i))]}  # fmt: skip
+            sender.publish("w0", wire.encode(transfer))
+        assert sender.request("w0", {"kind": "ping"})["ok"]  # the transfers were taken in
+        assert sorted(sessions) == ["many/s0", "many/s1", "w1/s"]  # the third: over its share
+        assert sessions["many/s0"].opened_by == "w1"
+        # The client's own request adopts the session, and its run takes the early value.
+        client = Peer(grid, "many", session="s0")
+        steps = [["recv", [0], "w1"], ["return", 0]]
+        reply = client.request("w0", run(steps, [5], peers={"w1": "w1"}))
+        assert torch.equal(reply["returns"][0][1], torch.zeros(2)), reply
+        assert sessions["many/s0"].opened_by is None
 
 
 def test_a_blocked_recv_delays_no_other_client_and_ends_with_its_session(local_grid):
