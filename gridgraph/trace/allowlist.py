@@ -15,7 +15,8 @@ differ from torch's) and `_embedding_bag_forward_only` (embedding_bag without au
 What is never listed: private kernels that skip checks (`_unsafe_*` other than
 `_unsafe_view`, `_reshape_alias`), sparse constructors and kernels, nested tensors built from
 raw buffers, `_test_*` ops, ops on process state (`manual_seed`, `seed`, `set_num_threads`),
-ops that swap a stored tensor's storage (`set_`), `out=` forms (they resize their output),
+ops that swap a stored tensor's storage (`set_`), `out=` forms (they resize their output;
+the client records them as their functional op and a `copy_`, see trace/record.py),
 files and raw memory (`from_file`, `data_ptr`). The private (leading `_`) overloads that are
 listed are the kernels behind public functions (`_softmax`, `_to_copy`, `_fft_c2c`,
 `_linalg_svd`, ...): each was reviewed and checks its arguments as its public function does.
@@ -235,7 +236,7 @@ REFUSED: dict[str, tuple[str, ...]] = {
     "a ZeroTensor: a tensor with no storage that kernels must special-case": (
         "_efficientzerotensor",
     ),
-    "out= forms: they resize the tensor they write": (
+    "out= forms: they resize the tensor they write (recorded as the op and a copy_)": (
         "addmm.out", "amax.out", "div.out", "mm.out", "mul.out"
     ),
     "runs on the client: .item() and friends are sync points, lift_fresh only marks constants": (

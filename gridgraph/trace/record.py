@@ -16,7 +16,9 @@ For each call we
 
 An op the workers do not run (off their allowlist, or a `torch.library.custom_op` outside
 the aten namespace) is recorded as what torch itself decomposes it into, when torch has a
-decomposition; else it is refused at the call with `RecordError`.
+decomposition; an `out=` form (`torch.mm(a, b, out=o)`) as its functional op and a `copy_`
+into `o`, when `o` already has the result's shape and dtype; else it is refused at the call
+with `RecordError`.
 """
 
 from __future__ import annotations
@@ -580,10 +582,54 @@ def decomposition(op: torch._ops.OpOverload) -> Any:
 
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return op.decompose
-    found = decomposition_table.get(op)
+    found = _out_form(op)
+    if found is None:
+        found = decomposition_table.get(op)
     if found is None:
         found = getattr(OPDEFS.get(op._schema.name), "_init_fn", None)
     return found
+
+
+def _out_form(op: torch._ops.OpOverload) -> Any:
+    """For an `out=` overload (`mm.out`), a function that runs its functional overload
+    (`mm.default`) and copies the results into the `out` tensors; None for other ops.
+
+    Workers never run `out=` forms: they resize the tensor they write. So a call whose
+    `out` tensor lacks the result's shape or dtype is refused here, at the call."""
+    schema = op._schema
+    outs = [a.name for a in schema.arguments if a.kwarg_only and a.is_out]
+    if not outs:
+        return None
+    inputs = [(a.name, str(a.type)) for a in schema.arguments if a.name not in outs]
+    packet = op.overloadpacket
+    functional = next(
+        (
+            overload
+            for overload in map(packet.__getattr__, packet.overloads())
+            if not overload._schema.is_mutable
+            and [(a.name, str(a.type)) for a in overload._schema.arguments] == inputs
+        ),
+        None,
+    )
+    if functional is None:
+        return None
+
+    def run_then_copy(*args: Any, **kwargs: Any) -> Any:
+        targets = [kwargs.pop(name) for name in outs]
+        result = functional(*args, **kwargs)
+        results = result if isinstance(result, tuple) else (result,)
+        for target, value in zip(targets, results):
+            if target.shape != value.shape or target.dtype != value.dtype:
+                raise RecordError(
+                    f"{op_name(op)} would resize or cast its out= tensor "
+                    f"({target.dtype} {list(target.shape)} for a {value.dtype} "
+                    f"{list(value.shape)} result): workers run no out= form; pass an out "
+                    "tensor of the result's shape and dtype, or use the result"
+                )
+            target.copy_(value)
+        return targets[0] if len(targets) == 1 else tuple(targets)
+
+    return run_then_copy
 
 
 # Views that set their layout at will: on meta tensors they never see the real storage.

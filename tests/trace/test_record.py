@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,3 +52,25 @@ def test_each_node_names_the_users_line(local_grid):
 
 def test_no_frame_of_the_users_reads_unknown():
     assert record.user_frame(skip=10_000) == "<unknown>"
+
+
+def test_an_out_form_runs_as_its_op_and_a_copy_into_out(local_grid):
+    w = local_grid.workers[0]
+    a, b, o = torch.randn(4, 3), torch.randn(3, 5), torch.zeros(4, 5)
+    pa, pb, po = a.send(w), b.send(w), o.send(w)
+    returned = torch.mm(pa, pb, out=po)  # eager
+    assert returned is po
+    assert torch.equal(po.get(), torch.mm(a, b))
+    with gg.trace():
+        torch.amax(pa, 1, out=po[:, 0])
+    assert torch.equal(po.get()[:, 0], torch.amax(a, 1))
+
+
+def test_an_out_tensor_that_torch_would_resize_or_cast_is_refused(local_grid):
+    w = local_grid.workers[0]
+    pa, pb = torch.randn(4, 3).send(w), torch.randn(3, 5).send(w)
+    for out in (torch.zeros(2, 2), torch.zeros(4, 5, dtype=torch.float64)):
+        po = out.send(w)
+        with pytest.raises(gg.RecordError, match="out= tensor"):
+            torch.mm(pa, pb, out=po)
+        assert torch.equal(po.get(), out)  # nothing written
