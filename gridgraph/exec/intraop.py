@@ -1,12 +1,11 @@
 """How many intra-op threads torch may use for each op a worker thread runs.
 
-State: torch's own setting, which is per thread, and `_THREAD`: the thread's default (what
-it found before it first changed it) and whether it has set one thread since its last run
-ended. Policy: an op whose work (as `limits.op_footprint` counts it: elements touched,
-multiply-adds of a product) is under `SMALL_WORK` runs on one thread; any other op runs on
-the thread's default. The choice depends on the op and its shapes only, so a program
-repeats bit for bit, run after run (kernels such as convolutions round differently on
-another number of threads).
+State: torch's own setting, which is per thread, and `_THREAD.default`: what the thread
+found before it first changed it. Policy: an op whose work (as `limits.op_footprint` counts
+it: elements touched, multiply-adds of a product) is under `SMALL_WORK` runs on one thread;
+any other op runs on the thread's default. The choice depends on the op and its shapes
+only, so a program repeats bit for bit, run after run (kernels such as convolutions round
+differently on another number of threads).
 
 Why: each thread that runs an OpenMP region keeps a team of helper threads. Once a process
 holds more OpenMP threads than cores, libgomp puts idle helpers to sleep at once, so each
@@ -15,10 +14,11 @@ on a 2-core machine, against a few microseconds of arithmetic. Small ops on one 
 no team: an in-process worker then leaves the user's own torch code as fast as it is
 without gridgraph (`bench/bench_threads.py`, `bench/bench_compile.py`).
 
-`torch.set_num_threads` also stores the value that threads not yet started take up. Once a
-run that set one thread ends, `restore_default` puts that value back from a short-lived
-thread, so the user's later threads keep their default. A thread that starts using torch
-while such a run is under way may still take up one thread.
+`torch.set_num_threads` also stores the value that threads not yet started take up. Right
+after setting one thread, a short-lived thread puts that value back (about 0.1 ms, paid only
+when a thread goes from a big op to a small one), so the user's later threads, and other
+workers' threads, keep their default. A thread that first uses torch within that 0.1 ms may
+still take up one thread.
 """
 
 from __future__ import annotations
@@ -42,14 +42,7 @@ def use_threads_for(work: float) -> None:
     want = 1 if work < SMALL_WORK else default
     if torch.get_num_threads() != want:
         torch.set_num_threads(want)
-        if want != default:
-            _THREAD.lowered = True
-
-
-def restore_default() -> None:
-    """Put back the setting later threads start with, if this thread's run lowered it."""
-    if getattr(_THREAD, "lowered", False):
-        _THREAD.lowered = False
-        restore = threading.Thread(target=torch.set_num_threads, args=(_THREAD.default,))
-        restore.start()
-        restore.join()
+        if want != default:  # put back what threads started later take up
+            restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+            restore.start()
+            restore.join()

@@ -714,10 +714,7 @@ class Run:
         # no workspace without it, and nn.LSTM's backward needs that workspace).
         # (on a serving thread it is on already: then no context, one call instead of three)
         with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
-            try:
-                return self._execute(program, op_work, limits, check_memory)
-            finally:
-                intraop.restore_default()
+            return self._execute(program, op_work, limits, check_memory)
 
     def _execute(
         self, program: Program, op_work: dict[int, float], limits: Limits, check_memory: bool

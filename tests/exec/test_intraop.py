@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from gridgraph.exec.intraop import SMALL_WORK, restore_default, use_threads_for
+from gridgraph.exec.intraop import SMALL_WORK, use_threads_for
 
 
 def on_new_thread(fn):
@@ -28,7 +28,6 @@ def test_small_work_runs_on_one_thread_and_later_threads_keep_the_default():
     def small_then_big():
         use_threads_for(SMALL_WORK / 10)
         small = torch.get_num_threads()
-        restore_default()  # as a run does when it ends
         later = on_new_thread(torch.get_num_threads)
         use_threads_for(SMALL_WORK * 10)
         return small, later, torch.get_num_threads()
