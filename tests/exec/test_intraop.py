@@ -39,24 +39,29 @@ def test_small_work_runs_on_one_thread_and_later_threads_keep_the_default():
 
 SCRIPT = textwrap.dedent(
     """
-    import os, threading, torch, gridgraph as gg
+    import os, sys, threading, torch, gridgraph as gg
     def native_threads():  # OS threads that are not Python threads: OpenMP helpers
         return len(os.listdir("/proc/self/task")) - threading.active_count()
     a = torch.randn(256, 256)
     a @ a  # the user's own thread holds its OpenMP team, as any torch program's does
     before = native_threads()
+    n = int(sys.argv[1])
     with gg.local_grid(1) as grid:
-        x, w = torch.randn(32, 13).send(grid.workers[0]), torch.randn(13, 64).send(grid.workers[0])
+        x, w = torch.randn(n, n).send(grid.workers[0]), torch.randn(n, n).send(grid.workers[0])
         for _ in range(5):
             with gg.trace():
                 y = x @ w
-            assert torch.equal(y.get(), x.get() @ w.get())
+            torch.testing.assert_close(y.get(), x.get() @ w.get())
         print(native_threads() - before)
     """
 )
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread: no OpenMP team")
-def test_a_small_program_on_a_local_worker_starts_no_openmp_helpers():
-    added = subprocess.check_output([sys.executable, "-c", SCRIPT], text=True, timeout=120)
-    assert int(added.strip()) == 0
+@pytest.mark.parametrize(("side", "team"), [(32, False), (512, True)], ids=["small", "big"])
+def test_only_a_big_op_on_a_local_worker_starts_openmp_helpers(side, team):
+    # 32x32 @ 32x32 is 6.6e4 multiply-adds, under SMALL_WORK; 512x512 @ 512x512 is 2.7e8
+    added = subprocess.check_output(
+        [sys.executable, "-c", SCRIPT, str(side)], text=True, timeout=120
+    )
+    assert (int(added.strip()) > 0) == team
