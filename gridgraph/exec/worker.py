@@ -40,10 +40,12 @@ Policy:
       (on IPFS sealed for it), a kept transfer is resent only when that identity asks, and a
       request to resend goes to the identity the run names too. A transfer is kept in the
       inbox of the session it names, with its sender's identity, counted against that
-      session's memory, and a run takes it only from the identity it names for the sending
-      worker (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
-      discovery directory) who a worker is: a peer that owns a worker's name there, or
-      claims one, gets nothing it may read and can place nothing a run uses.
+      session's memory (one over it is kept as a small error in its place, so that a run
+      waiting for it fails naming the limit; dropped when not even that fits), and a run
+      takes it only from the identity it names for the sending worker (session.py). Nothing
+      here asks the worker's own view of the grid (on IPFS, its discovery directory) who a
+      worker is: a peer that owns a worker's name there, or claims one, gets nothing it may
+      read and can place nothing a run uses.
 """
 
 from __future__ import annotations
@@ -273,6 +275,12 @@ class Worker:
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
+            if cap is not None and session.memory() + len(payload) > cap:
+                # Not even the error fits: kept, errors under keys no run takes would grow
+                # the inbox past the limit without bound. A run waiting for it times out.
+                log.warning("%s: dropped a transfer for %s: its memory limit is reached",
+                            self.name, client)  # fmt: skip
+                return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
         session.deliver(key, sender, msg, payload)

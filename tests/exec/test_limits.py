@@ -15,7 +15,7 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.limits import Limits, RateLimiter, format_size, parse_size
+from gridgraph.exec.limits import RECORD_BYTES, Limits, RateLimiter, format_size, parse_size
 from gridgraph.schedule.plan import Slot
 
 GiB = 1 << 30
@@ -213,3 +213,20 @@ def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
         reply = peer.reply(rid)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the expand only
+
+
+def test_transfers_over_the_memory_limit_do_not_grow_a_sessions_inbox_past_it():
+    # A transfer that would take a session over its memory limit is kept as a small error in
+    # its place (so that a run waiting for it fails at once, naming the limit). A peer sends
+    # its own session transfers under keys no run takes: were each kept as an error, the
+    # inbox would grow past the limit, without bound, in the worker's own process.
+    cap = 64 << 10
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        peer = Peer(grid)
+        fill = torch.zeros((cap - 8192) // 4)
+        for vid, tensors in [(1, [fill])] + [(vid, [torch.zeros(1)]) for vid in range(2, 2002)]:
+            transfer = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w1",
+                        "values": [vid], "tensors": tensors}  # fmt: skip
+            peer.publish("w0", wire.encode(transfer))
+        stats = peer.request("w0", {"kind": "stats"})
+        assert stats["ok"] and stats["memory"] - RECORD_BYTES <= cap, stats  # (its record)
