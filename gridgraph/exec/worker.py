@@ -28,8 +28,10 @@ Policy:
       only, and every later request of it gets an error naming the cause.
     - Exactly once: a request id runs at most once per session (the session's records).
       A resend of a request that is queued or running is ignored; one that already has its
-      reply gets that reply again. Every accepted request gets exactly one reply: an error
-      reply if anything fails, including encoding the reply itself.
+      reply gets that reply again, within the peer's request rate (past it, the resend is
+      ignored: a refusal would say that a request which ran did not). Every accepted
+      request gets exactly one reply: an error reply if anything fails, including encoding
+      the reply itself.
     - A refused request changes nothing, not even its `free` list: frees apply only once the
       request was accepted and served. A request over the peer's rate, the session's memory
       or time limit is refused with an error naming the limit (limits.py).
@@ -175,9 +177,15 @@ class Worker:
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
             if rec is not None:  # a resend: never run twice
-                if rec.reply is not None and arrived > rec.sent_at:  # the reply was lost
+                lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
+                forgotten = rec.reply is None and rec.sent_at < arrived
+                if (lost or forgotten) and not self._rate.allow(sender):
+                    # Answered again only within the peer's rate (a reply can be large, and
+                    # the sender thread is everyone's); unanswered, the client asks again.
+                    return
+                if lost:
                     self._outbox.put((reply_to, rec.reply, None))
-                elif rec.reply is None and rec.sent_at < arrived:
+                elif forgotten:
                     error = RequestError("request already served; its reply is no longer kept",
                                          "already-served")  # fmt: skip
                     self._refuse(reply_to, rid, error)

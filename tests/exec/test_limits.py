@@ -230,3 +230,22 @@ def test_transfers_over_the_memory_limit_do_not_grow_a_sessions_inbox_past_it():
             peer.publish("w0", wire.encode(transfer))
         stats = peer.request("w0", {"kind": "stats"})
         assert stats["ok"] and stats["memory"] - RECORD_BYTES <= cap, stats  # (its record)
+
+
+def test_resends_of_an_answered_request_count_against_the_peers_rate():
+    # A resend of a request whose reply is kept gets that reply again, from the worker's
+    # one shared sender thread. Uncounted, ~200 bytes asking again for a large reply made
+    # the worker publish it again as often as a peer liked, past its rate limit.
+    with gg.local_grid(1, limits=Limits(requests_per_second=0.01, request_burst=5)) as grid:
+        peer = Peer(grid)
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        assert peer.request("w0", {"kind": "put", "values": [[1, big]]})["ok"]
+        fetch = run([["return", 0]], [1])
+        first = peer.request("w0", fetch, rid="big")
+        assert torch.equal(first["returns"][0][1], big)  # 2 of the 5 requests so far
+        for _ in range(20):
+            peer.send("w0", fetch, rid="big")
+        again = 0
+        while not peer.no_reply_within(0.5):
+            again += 1
+        assert 1 <= again <= 3  # answered while within its rate: 3 of the burst were left
