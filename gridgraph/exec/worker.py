@@ -38,16 +38,16 @@ Policy:
     - A malformed request gets an error reply when it names a reply topic and an id.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
-      (`peers`; a run without one is refused). A send is published to that identity only
-      (on IPFS sealed for it), a kept transfer is resent only when that identity asks, and a
-      request to resend goes to the identity the run names too. A transfer is kept in the
-      inbox of the session it names, with its sender's identity, counted against that
-      session's memory (one over it is kept as a small error in its place, so that a run
-      waiting for it fails naming the limit; dropped when not even that fits), and a run
-      takes it only from the identity it names for the sending worker (session.py). Nothing
-      here asks the worker's own view of the grid (on IPFS, its discovery directory) who a
-      worker is: a peer that owns a worker's name there, or claims one, gets nothing it may
-      read and can place nothing a run uses.
+      (`peers`; a run without one is refused). A send is published to that identity only (on
+      IPFS sealed for it), a kept transfer is resent only when that identity asks (within
+      its request rate), and a request to resend goes to the identity the run names too. A
+      transfer is kept in the inbox of the session it names, with its sender's identity,
+      counted against that session's memory (one over it is kept as a small error in its
+      place, so that a run waiting for it fails naming the limit; dropped when not even that
+      fits), and a run takes it only from the identity it names for the sending worker
+      (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
+      discovery directory) who a worker is: a peer that owns a worker's name there, or
+      claims one, gets nothing it may read and can place nothing a run uses.
 """
 
 from __future__ import annotations
@@ -310,7 +310,9 @@ class Worker:
             return
         session = self._session(client, "", create=False)
         kept = session.sent.get(key) if session is not None else None
-        if kept is not None and kept[0] == sender:
+        # Within the asker's request rate: a kept transfer can be large, the sender thread
+        # is everyone's, and a client may name itself as the identity it went to.
+        if kept is not None and kept[0] == sender and self._rate.allow(sender):
             self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
 
     def _send_loop(self) -> None:

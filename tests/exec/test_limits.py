@@ -16,6 +16,7 @@ from local_peer import Peer
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.limits import RECORD_BYTES, Limits, RateLimiter, format_size, parse_size
+from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
 GiB = 1 << 30
@@ -249,3 +250,25 @@ def test_resends_of_an_answered_request_count_against_the_peers_rate():
         while not peer.no_reply_within(0.5):
             again += 1
         assert 1 <= again <= 3  # answered while within its rate: 3 of the burst were left
+
+
+def test_asks_to_resend_a_kept_transfer_count_against_the_askers_rate():
+    # A transfer a run sent is kept, and sent again whenever the identity it went to asks
+    # (ipfs: PubSub drops messages). A client may name itself as that identity: uncounted,
+    # its small asks made the worker's shared sender thread publish the transfer again as
+    # often as it liked, past its rate limit.
+    with gg.local_grid(1, limits=Limits(requests_per_second=0.01, request_burst=5)) as grid:
+        peer = Peer(grid)
+        copies = []
+        peer.transport.subscribe(worker_topic("x"), lambda sender, payload: copies.append(1))
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        assert peer.request("w0", {"kind": "put", "values": [[1, big]]})["ok"]
+        send = run([["send", [0], "x"]], [1], peers={"x": peer.transport.identity})
+        assert peer.request("w0", send)["ok"]  # 2 of the 5 requests so far
+        assert len(copies) == 1
+        ask = {"kind": "resend", "client": "mallory/s", "run": 1, "value": 1, "dst": "x"}
+        for _ in range(20):
+            peer.publish("w0", wire.encode(ask))
+        # (the worker's sender thread sends in order: once this reply is here, all went)
+        assert peer.request("w0", {"kind": "bye", "session": "gone"})["ok"]
+        assert 1 <= len(copies) - 1 <= 3  # sent again while within its rate
