@@ -291,7 +291,7 @@ class Worker:
                 return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
-        session.deliver(key, sender, msg, payload)
+        session.deliver(key, sender, payload)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
@@ -458,12 +458,12 @@ class Worker:
     ) -> dict:
         """The transfer `key` = (run, value id, sending worker) that identity `peer` sent
         for `session` (see Host)."""
-        return self.wait_transfer(session, key, peer, deadline)[0]
+        return wire.decode(self.wait_transfer(session, key, peer, deadline))
 
     def wait_transfer(
         self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
-    ) -> tuple[dict, bytes]:
-        """Wait for the transfer `key` from the worker it names, sent by identity `peer`;
+    ) -> bytes:
+        """The transfer `key` from the worker it names, sent by identity `peer`, as received;
         give up once that worker or the client is gone (or at `deadline`), asking `peer` for
         a resend now and then (ipfs)."""
         run, vid, src = key

@@ -6,6 +6,7 @@ grants on IPFS; every result is compared with plain torch.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -272,3 +273,26 @@ def test_asks_to_resend_a_kept_transfer_count_against_the_askers_rate():
         # (the worker's sender thread sends in order: once this reply is here, all went)
         assert peer.request("w0", {"kind": "bye", "session": "gone"})["ok"]
         assert 1 <= len(copies) - 1 <= 3  # sent again while within its rate
+
+
+def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
+    # A transfer waits in the inbox of the session it names, counted at its size on the
+    # wire. Kept decoded, a message of 16,000 empty tensors (300 kB) held 16,000 tensor
+    # objects (about 8 MB): 26x what the session's memory limit saw, in the worker's own
+    # process, whatever runs the programs.
+    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+        peer = Peer(grid)
+        empties = [torch.empty(0) for _ in range(16_000)]
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+        before = _tensors_alive()
+        for run_id in range(1, 6):
+            transfer = {"kind": "transfer", "client": "mallory/s", "run": run_id, "src": "w1",
+                        "values": list(range(16_000)), "tensors": empties}  # fmt: skip
+            peer.publish("w0", wire.encode(transfer))
+        assert grid.local_workers[0].sessions["mallory/s"].memory() > 5 * 16_000 * 14
+        assert _tensors_alive() - before < 16_000
+
+
+def _tensors_alive() -> int:
+    gc.collect()
+    return sum(type(o) is torch.Tensor for o in gc.get_objects())
