@@ -17,7 +17,8 @@ reset any of it:
                the identity that sent each (the transport's authenticated sender), each as
                received: decoded only when a run takes it (decoded, a message of many small
                tensors holds tens of times its bytes)
-    queue      its requests waiting to run, in arrival order
+    queue      its requests waiting to run, in arrival order; their bytes (`queued_bytes`)
+               stay under the memory limit on their own (worker.py refuses one past it)
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
 client says `bye` or its lease expires. A session's requests run one at a time, in order, on
@@ -167,7 +168,8 @@ class Session:
         self.inbox: dict[tuple[int, int, str], dict[str, bytes]] = {}
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
-        self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
+        self.queue: deque[tuple[dict, float, bytes]] = deque()  # (request, arrival, payload)
+        self.queued_bytes = 0  # of the payloads in `queue`
         self.busy = False  # a request is queued or running
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
@@ -297,6 +299,7 @@ class Session:
         self._with_reply.clear()
         self.sent.clear()
         self.queue.clear()
+        self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
         return n
 

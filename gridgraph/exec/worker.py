@@ -34,7 +34,9 @@ Policy:
       the reply itself.
     - A refused request changes nothing, not even its `free` list: frees apply only once the
       request was accepted and served. A request over the peer's rate, the session's memory
-      or time limit is refused with an error naming the limit (limits.py).
+      or time limit is refused with an error naming the limit (limits.py); so is one that
+      would make the requests waiting in the session's queue hold more than its memory
+      limit (they are held here, whatever runs them).
     - A malformed request gets an error reply when it names a reply topic and an id.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
@@ -59,7 +61,7 @@ import time
 from collections.abc import Callable
 
 from gridgraph.exec import executor, wire
-from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter
+from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter, format_size
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -190,12 +192,18 @@ class Worker:
                                          "already-served")  # fmt: skip
                     self._refuse(reply_to, rid, error)
                 return
+            cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
             if msg["kind"] not in REQUEST_KINDS:
                 error = RequestError(f"unknown request kind {msg['kind']!r}")
             elif not self._rate.allow(sender):
                 error = LimitExceeded(
                     f"over the rate limit of {self.limits.requests_per_second:g} requests a "
                     f"second per peer (requests_per_second)"
+                )
+            elif cap is not None and session.queued_bytes + len(payload) > cap:
+                error = LimitExceeded(
+                    f"this client's requests waiting here would take over {format_size(cap)}, "
+                    f"its memory limit (max_client_memory)"
                 )
             else:
                 error = None
@@ -209,6 +217,7 @@ class Worker:
                 self._outbox.put((reply_to, reply, None))
                 return
             session.queue.append((msg, arrived, payload))
+            session.queued_bytes += len(payload)
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
                 session.cv.notify_all()
@@ -344,6 +353,7 @@ class Worker:
                     session.busy = session.serving = False
                     return
                 msg, arrived, payload = session.queue.popleft()
+                session.queued_bytes -= len(payload)
             try:
                 self._serve(session, msg, payload)
             except Exception:  # a bug must not take the worker down

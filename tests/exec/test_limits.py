@@ -296,3 +296,36 @@ def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
 def _tensors_alive() -> int:
     gc.collect()
     return sum(type(o) is torch.Tensor for o in gc.get_objects())
+
+
+def test_requests_waiting_in_a_sessions_queue_hold_at_most_its_memory_limit():
+    # A session's requests wait while one of them runs (here a recv nobody satisfies).
+    # Unbounded, a peer could queue as many large puts behind it as its request rate
+    # allows (2,000 of up to 256 MiB each by default), all held in the worker's network
+    # process, each checked against the memory limit only when its turn came.
+    cap = 1 << 20
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        peer = Peer(grid)
+        wait = run([["recv", [0], "w1"]], [9], run_id=7, peers={"w1": "w1"})
+        blocked = peer.send("w0", wait)
+        puts = [peer.send("w0", {"kind": "put", "values": [[i, torch.zeros(1 << 16)]]})
+                for i in range(8)]  # fmt: skip
+        session = grid.local_workers[0].sessions["mallory/s"]
+        assert sum(len(payload) for _, _, payload in session.queue) <= cap
+        replies = _replies(peer, {puts[-1]})  # at once, while the recv still waits
+        assert "memory limit" in replies[puts[-1]]["error"]["message"], replies[puts[-1]]
+        peer.send("w0", {"kind": "abort", "run": 7})
+        replies.update(_replies(peer, {blocked, *puts} - replies.keys()))
+        assert not replies[blocked]["ok"]
+        stored = [replies[rid]["ok"] for rid in puts]
+        assert stored == sorted(stored, reverse=True) and stored[0]  # the first ones fit
+        assert peer.request("w0", {"kind": "stats"})["objects"] == sum(stored)
+
+
+def _replies(peer: Peer, rids: set[str]) -> dict[str, dict]:
+    """Replies to the requests `rids` (and any others that come first), by request id."""
+    got: dict[str, dict] = {}
+    while not rids <= got.keys():
+        reply = peer.replies.get(timeout=20)
+        got[reply["re"]] = reply
+    return got
