@@ -201,9 +201,10 @@ class Worker:
                     f"second per peer (requests_per_second)"
                 )
             elif cap is not None and session.queued_bytes + len(payload) > cap:
+                waiting = format_size(session.queued_bytes + len(payload))
                 error = LimitExceeded(
-                    f"this client's requests waiting here would take over {format_size(cap)}, "
-                    f"its memory limit (max_client_memory)"
+                    f"the requests waiting here need {waiting} on this worker, over the "
+                    f"client's memory limit of {format_size(cap)} (max_client_memory)"
                 )
             else:
                 error = None
