@@ -329,3 +329,15 @@ def _replies(peer: Peer, rids: set[str]) -> dict[str, dict]:
         reply = peer.replies.get(timeout=20)
         got[reply["re"]] = reply
     return got
+
+
+def test_the_rate_limiter_forgets_peers_whose_buckets_refilled():
+    # Past 100,000 peers the limiter forgets those long gone. It judged a bucket by its
+    # tokens when last used, not refilled since: a peer that sent one request stayed
+    # forever, and so many identities made every later request rebuild the whole table.
+    bucket = RateLimiter(rate=1000.0, burst=2)
+    for i in range(100_001):
+        assert bucket.allow(f"peer-{i}")  # each left with 1 of its 2 tokens
+    threading.Event().wait(0.01)  # all refilled by now
+    assert bucket.allow("one more")
+    assert len(bucket._buckets) < 100
