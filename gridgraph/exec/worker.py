@@ -217,7 +217,9 @@ class Worker:
                 rec.sent_at = arrived
                 self._outbox.put((reply_to, reply, None))
                 return
-            session.queue.append((msg, arrived, payload))
+            # One that waits behind another is kept as received, decoded when served:
+            # decoded, a message of many small tensors holds tens of times its bytes.
+            session.queue.append((None if session.busy else msg, arrived, payload))
             session.queued_bytes += len(payload)
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
@@ -356,9 +358,11 @@ class Worker:
                 msg, arrived, payload = session.queue.popleft()
                 session.queued_bytes -= len(payload)
             try:
+                if msg is None:
+                    msg = wire.decode(payload)  # (checked when it arrived)
                 self._serve(session, msg, payload)
             except Exception:  # a bug must not take the worker down
-                log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
+                log.exception("%s: failed to serve a request of %s", self.name, session.key)
 
     def _serve(self, session: Session, msg: dict, payload: bytes) -> None:
         rid, kind = msg["id"], msg["kind"]

@@ -345,12 +345,6 @@ def test_the_rate_limiter_forgets_peers_whose_buckets_refilled():
     assert len(bucket._buckets) < 100
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a queued request is kept decoded: its tensor objects (~1,000 bytes each, 14 on "
-    "the wire) are not what the queue's bytes count; keeping it as received and decoding "
-    "it when served would cost a second decode per request",
-)
 def test_requests_waiting_in_a_sessions_queue_hold_no_more_than_they_count():
     # Behind a run that waits, 20 puts of 16,000 empty tensors each: 4.6 MB on the wire,
     # within the limit, but 320,000 tensor objects (about 160 MB) while they wait.
