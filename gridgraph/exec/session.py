@@ -19,7 +19,7 @@ reset any of it:
                tensors holds tens of times its bytes)
     queue      its requests waiting to run, in arrival order; their bytes (`queued_bytes`)
                stay under the memory limit on their own (worker.py refuses one past it), and
-               one that waits behind another is kept as received, decoded when served
+               one that came while others waited is kept as received, decoded when served
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
 client says `bye` or its lease expires. A session's requests run one at a time, in order, on
@@ -169,7 +169,7 @@ class Session:
         self.inbox: dict[tuple[int, int, str], dict[str, bytes]] = {}
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
-        # (request, or None until served when it waited behind another; arrival; payload)
+        # (request, or None until served if it came while others waited; arrival; payload)
         self.queue: deque[tuple[dict | None, float, bytes]] = deque()
         self.queued_bytes = 0  # of the payloads in `queue`
         self.busy = False  # a request is queued or running

@@ -217,9 +217,11 @@ class Worker:
                 rec.sent_at = arrived
                 self._outbox.put((reply_to, reply, None))
                 return
-            # One that waits behind another is kept as received, decoded when served:
-            # decoded, a message of many small tensors holds tens of times its bytes.
-            session.queue.append((None if session.busy else msg, arrived, payload))
+            # One that arrives behind another waiting one is kept as received, decoded when
+            # served: decoded, a message of many small tensors holds tens of times its
+            # bytes. One that finds the queue empty (a client's next step, sent as its last
+            # one's reply goes out) stays decoded: decoded once.
+            session.queue.append((None if session.queue else msg, arrived, payload))
             session.queued_bytes += len(payload)
             session.busy = True
             if session.serving:  # its thread is running or waiting for more

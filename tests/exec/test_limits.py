@@ -361,4 +361,4 @@ def test_requests_waiting_in_a_sessions_queue_hold_no_more_than_they_count():
         grown = _tensors_alive() - before
         peer.send("w0", {"kind": "abort", "run": 7})
         _replies(peer, {blocked, *puts})
-        assert grown < 16_000
+        assert grown <= 16_000  # the first only, which found the queue empty
