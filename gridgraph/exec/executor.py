@@ -147,7 +147,7 @@ class Executor:
         key = (int(run), int(value), str(src))
         deadline = min(time.monotonic() + float(seconds), kill_at)
         try:
-            _, payload = worker.wait_transfer(session, key, str(peer), deadline)
+            payload = worker.wait_transfer(session, key, str(peer), deadline)
         except UpstreamFailed as e:
             _send(self.conn, ["recv-error", "upstream", str(e)])
         except TimeoutError as e:

@@ -13,7 +13,9 @@ A client is one session of one authenticated peer (see worker.py). Policy:
                 undone.
     messages    a message over `max_message_bytes` is dropped unread.
     rate        each peer may send `requests_per_second` requests, in bursts of up to
-                `request_burst`; the rest are refused, naming the limit.
+                `request_burst`; the rest are refused, naming the limit. A resend answered
+                again and an ask to resend a kept transfer count too (past the rate they
+                are ignored: the worker's sender thread is everyone's).
     sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one
                 evicts the peer's own least recently seen idle session. A session that a
                 transfer opens counts against the transfer's sender until its client adopts
@@ -146,6 +148,7 @@ class RateLimiter:
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
         self._buckets: dict[str, tuple[float, float]] = {}  # peer -> (tokens, updated)
+        self._forget_past = 100_000  # peers tracked before the long-gone ones are forgotten
         self._lock = threading.Lock()
 
     def allow(self, peer: str) -> bool:
@@ -156,8 +159,16 @@ class RateLimiter:
         with self._lock:
             tokens, updated = self._buckets.get(peer, (self.burst, now))
             tokens = min(self.burst, tokens + (now - updated) * self.rate)
-            if len(self._buckets) > 100_000:  # peers long gone: forget the full buckets
-                self._buckets = {p: b for p, b in self._buckets.items() if b[0] < self.burst}
+            if len(self._buckets) > self._forget_past:
+                # Peers long gone: forget the buckets refilled since they were last used
+                # (judged by their tokens then, a peer that sent one request stayed forever)
+                self._buckets = {
+                    p: b
+                    for p, b in self._buckets.items()
+                    if b[0] + (now - b[1]) * self.rate < self.burst
+                }
+                # rebuilt again once the table has doubled, not on every request
+                self._forget_past = max(100_000, 2 * len(self._buckets))
             ok = tokens >= 1
             self._buckets[peer] = (tokens - 1 if ok else tokens, now)
             return ok

@@ -14,8 +14,12 @@ reset any of it:
     sent       transfers it sent to other workers, kept for resending (ipfs) to the identity
                they were sent to, and to no other
     inbox      transfers other workers sent it, by (run, first value id, sending worker) and
-               the identity that sent each (the transport's authenticated sender)
-    queue      its requests waiting to run, in arrival order
+               the identity that sent each (the transport's authenticated sender), each as
+               received: decoded only when a run takes it (decoded, a message of many small
+               tensors holds tens of times its bytes)
+    queue      its requests waiting to run, in arrival order; their bytes (`queued_bytes`)
+               stay under the memory limit on their own (worker.py refuses one past it), and
+               one that came while others waited is kept as received, decoded when served
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
 client says `bye` or its lease expires. A session's requests run one at a time, in order, on
@@ -161,11 +165,13 @@ class Session:
         self.ops_run = 0
         # (run, first value id, receiving worker) -> (its identity, the transfer)
         self.sent: OrderedDict[tuple[int, int, str], tuple[str, bytes]] = OrderedDict()
-        # (run, first value id, sending worker) -> sender's identity -> (message, payload)
-        self.inbox: dict[tuple[int, int, str], dict[str, tuple[dict, bytes]]] = {}
+        # (run, first value id, sending worker) -> sender's identity -> the message received
+        self.inbox: dict[tuple[int, int, str], dict[str, bytes]] = {}
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
-        self.queue: deque[tuple[dict, float, int]] = deque()  # (request, arrival, bytes)
+        # (request, or None until served if it came while others waited; arrival; payload)
+        self.queue: deque[tuple[dict | None, float, bytes]] = deque()
+        self.queued_bytes = 0  # of the payloads in `queue`
         self.busy = False  # a request is queued or running
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
@@ -239,14 +245,15 @@ class Session:
             _, (_, dropped) = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
-    def deliver(self, key: tuple[int, int, str], sender: str, msg: dict, payload: bytes) -> None:
-        """A transfer message arrived from identity `sender` (`payload` as received); wake a
-        waiting recv. Kept per sender: one from another identity cannot take its place."""
+    def deliver(self, key: tuple[int, int, str], sender: str, payload: bytes) -> None:
+        """A transfer message arrived from identity `sender` (`payload` as received, checked);
+        wake a waiting recv. Kept per sender: one from another identity cannot take its
+        place."""
         with self.cv:
             got = self.inbox.get(key, {})
             if key in self.received or sender in got or self.closed:
                 return  # ipfs: a resent copy of one already here or used
-            got[sender] = (msg, payload)
+            got[sender] = payload
             self.inbox[key] = got
             self._inbox_bytes += len(payload)
             self.cv.notify_all()
@@ -255,19 +262,19 @@ class Session:
         """Whether identity `sender`'s transfer `key` is here (the caller holds `cv`)."""
         return sender in self.inbox.get(key, ())
 
-    def take(self, key: tuple[int, int, str], sender: str) -> tuple[dict, bytes]:
-        """Remove and return identity `sender`'s transfer `key`, and drop the ones other
-        identities sent under that key (the caller holds `cv`)."""
+    def take(self, key: tuple[int, int, str], sender: str) -> bytes:
+        """Remove and return identity `sender`'s transfer `key` as received, and drop the
+        ones other identities sent under that key (the caller holds `cv`)."""
         got = self.inbox.pop(key)
-        msg, payload = got.pop(sender)
-        self._inbox_bytes -= len(payload) + sum(len(p) for _, p in got.values())
+        payload = got.pop(sender)
+        self._inbox_bytes -= len(payload) + sum(len(p) for p in got.values())
         for other in got:
             log.warning("client %s: dropped a transfer claiming to come from %s: sent by %s, "
                         "not by the identity its run names", self.key, key[2], other)  # fmt: skip
         self.received[key] = None
         while len(self.received) > TRANSFERS_KEPT:
             self.received.popitem(last=False)
-        return msg, payload
+        return payload
 
     def abort(self, run: Any) -> None:
         if type(run) is not int:
@@ -294,6 +301,7 @@ class Session:
         self._with_reply.clear()
         self.sent.clear()
         self.queue.clear()
+        self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
         return n
 

@@ -28,20 +28,26 @@ Policy:
       only, and every later request of it gets an error naming the cause.
     - Exactly once: a request id runs at most once per session (the session's records).
       A resend of a request that is queued or running is ignored; one that already has its
-      reply gets that reply again. Every accepted request gets exactly one reply: an error
-      reply if anything fails, including encoding the reply itself.
+      reply gets that reply again, within the peer's request rate (past it, the resend is
+      ignored: a refusal would say that a request which ran did not). Every accepted
+      request gets exactly one reply: an error reply if anything fails, including encoding
+      the reply itself.
     - A refused request changes nothing, not even its `free` list: frees apply only once the
       request was accepted and served. A request over the peer's rate, the session's memory
-      or time limit is refused with an error naming the limit (limits.py).
+      or time limit is refused with an error naming the limit (limits.py); so is one that
+      would make the requests waiting in the session's queue hold more than its memory
+      limit (they are held here, whatever runs them).
     - A malformed request gets an error reply when it names a reply topic and an id.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
-      (`peers`; a run without one is refused). A send is published to that identity only
-      (on IPFS sealed for it), a kept transfer is resent only when that identity asks, and a
-      request to resend goes to the identity the run names too. A transfer is kept in the
-      inbox of the session it names, with its sender's identity, counted against that
-      session's memory, and a run takes it only from the identity it names for the sending
-      worker (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
+      (`peers`; a run without one is refused). A send is published to that identity only (on
+      IPFS sealed for it), a kept transfer is resent only when that identity asks (within
+      its request rate), and a request to resend goes to the identity the run names too. A
+      transfer is kept in the inbox of the session it names, with its sender's identity,
+      counted against that session's memory (one over it is kept as a small error in its
+      place, so that a run waiting for it fails naming the limit; dropped when not even that
+      fits), and a run takes it only from the identity it names for the sending worker
+      (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
       discovery directory) who a worker is: a peer that owns a worker's name there, or
       claims one, gets nothing it may read and can place nothing a run uses.
 """
@@ -55,7 +61,7 @@ import time
 from collections.abc import Callable
 
 from gridgraph.exec import executor, wire
-from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter
+from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter, format_size
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -173,19 +179,32 @@ class Worker:
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
             if rec is not None:  # a resend: never run twice
-                if rec.reply is not None and arrived > rec.sent_at:  # the reply was lost
+                lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
+                forgotten = rec.reply is None and rec.sent_at < arrived
+                if (lost or forgotten) and not self._rate.allow(sender):
+                    # Answered again only within the peer's rate (a reply can be large, and
+                    # the sender thread is everyone's); unanswered, the client asks again.
+                    return
+                if lost:
                     self._outbox.put((reply_to, rec.reply, None))
-                elif rec.reply is None and rec.sent_at < arrived:
+                elif forgotten:
                     error = RequestError("request already served; its reply is no longer kept",
                                          "already-served")  # fmt: skip
                     self._refuse(reply_to, rid, error)
                 return
+            cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
             if msg["kind"] not in REQUEST_KINDS:
                 error = RequestError(f"unknown request kind {msg['kind']!r}")
             elif not self._rate.allow(sender):
                 error = LimitExceeded(
                     f"over the rate limit of {self.limits.requests_per_second:g} requests a "
                     f"second per peer (requests_per_second)"
+                )
+            elif cap is not None and session.queued_bytes + len(payload) > cap:
+                waiting = format_size(session.queued_bytes + len(payload))
+                error = LimitExceeded(
+                    f"the requests waiting here need {waiting} on this worker, over the "
+                    f"client's memory limit of {format_size(cap)} (max_client_memory)"
                 )
             else:
                 error = None
@@ -198,7 +217,12 @@ class Worker:
                 rec.sent_at = arrived
                 self._outbox.put((reply_to, reply, None))
                 return
-            session.queue.append((msg, arrived, payload))
+            # One that arrives behind another waiting one is kept as received, decoded when
+            # served: decoded, a message of many small tensors holds tens of times its
+            # bytes. One that finds the queue empty (a client's next step, sent as its last
+            # one's reply goes out) stays decoded: decoded once.
+            session.queue.append((None if session.queue else msg, arrived, payload))
+            session.queued_bytes += len(payload)
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
                 session.cv.notify_all()
@@ -273,9 +297,15 @@ class Worker:
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
+            if cap is not None and session.memory() + len(payload) > cap:
+                # Not even the error fits: kept, errors under keys no run takes would grow
+                # the inbox past the limit without bound. A run waiting for it times out.
+                log.warning("%s: dropped a transfer for %s: its memory limit is reached",
+                            self.name, client)  # fmt: skip
+                return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
-        session.deliver(key, sender, msg, payload)
+        session.deliver(key, sender, payload)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
@@ -294,7 +324,9 @@ class Worker:
             return
         session = self._session(client, "", create=False)
         kept = session.sent.get(key) if session is not None else None
-        if kept is not None and kept[0] == sender:
+        # Within the asker's request rate: a kept transfer can be large, the sender thread
+        # is everyone's, and a client may name itself as the identity it went to.
+        if kept is not None and kept[0] == sender and self._rate.allow(sender):
             self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
 
     def _send_loop(self) -> None:
@@ -326,10 +358,13 @@ class Worker:
                     session.busy = session.serving = False
                     return
                 msg, arrived, payload = session.queue.popleft()
+                session.queued_bytes -= len(payload)
             try:
+                if msg is None:
+                    msg = wire.decode(payload)  # (checked when it arrived)
                 self._serve(session, msg, payload)
             except Exception:  # a bug must not take the worker down
-                log.exception("%s: failed to serve %s", self.name, msg.get("kind"))
+                log.exception("%s: failed to serve a request of %s", self.name, session.key)
 
     def _serve(self, session: Session, msg: dict, payload: bytes) -> None:
         rid, kind = msg["id"], msg["kind"]
@@ -440,12 +475,12 @@ class Worker:
     ) -> dict:
         """The transfer `key` = (run, value id, sending worker) that identity `peer` sent
         for `session` (see Host)."""
-        return self.wait_transfer(session, key, peer, deadline)[0]
+        return wire.decode(self.wait_transfer(session, key, peer, deadline))
 
     def wait_transfer(
         self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
-    ) -> tuple[dict, bytes]:
-        """Wait for the transfer `key` from the worker it names, sent by identity `peer`;
+    ) -> bytes:
+        """The transfer `key` from the worker it names, sent by identity `peer`, as received;
         give up once that worker or the client is gone (or at `deadline`), asking `peer` for
         a resend now and then (ipfs)."""
         run, vid, src = key

@@ -6,6 +6,7 @@ grants on IPFS; every result is compared with plain torch.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -15,7 +16,8 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.limits import Limits, RateLimiter, format_size, parse_size
+from gridgraph.exec.limits import RECORD_BYTES, Limits, RateLimiter, format_size, parse_size
+from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
 GiB = 1 << 30
@@ -209,7 +211,154 @@ def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
         recv = {**send, "program": [[["recv", [0], "w1"], step, contiguous]],
                 "peers": {"w1": "w1"}}  # fmt: skip
         rid = peer.send("w0", recv)
-        assert peer.request("w1", send)["ok"]
-        reply = peer.reply(rid)
+        sent = peer.send("w1", send)
+        replies = _replies(peer, {rid, sent})  # (either may come first)
+        assert replies[sent]["ok"]
+        reply = replies[rid]
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the expand only
+
+
+def test_transfers_over_the_memory_limit_do_not_grow_a_sessions_inbox_past_it():
+    # A transfer that would take a session over its memory limit is kept as a small error in
+    # its place (so that a run waiting for it fails at once, naming the limit). A peer sends
+    # its own session transfers under keys no run takes: were each kept as an error, the
+    # inbox would grow past the limit, without bound, in the worker's own process.
+    cap = 64 << 10
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        peer = Peer(grid)
+        fill = torch.zeros((cap - 8192) // 4)
+        for vid, tensors in [(1, [fill])] + [(vid, [torch.zeros(1)]) for vid in range(2, 2002)]:
+            transfer = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w1",
+                        "values": [vid], "tensors": tensors}  # fmt: skip
+            peer.publish("w0", wire.encode(transfer))
+        stats = peer.request("w0", {"kind": "stats"})
+        assert stats["ok"] and stats["memory"] - RECORD_BYTES <= cap, stats  # (its record)
+
+
+def test_resends_of_an_answered_request_count_against_the_peers_rate():
+    # A resend of a request whose reply is kept gets that reply again, from the worker's
+    # one shared sender thread. Uncounted, ~200 bytes asking again for a large reply made
+    # the worker publish it again as often as a peer liked, past its rate limit.
+    with gg.local_grid(1, limits=Limits(requests_per_second=0.01, request_burst=5)) as grid:
+        peer = Peer(grid)
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        assert peer.request("w0", {"kind": "put", "values": [[1, big]]})["ok"]
+        fetch = run([["return", 0]], [1])
+        first = peer.request("w0", fetch, rid="big")
+        assert torch.equal(first["returns"][0][1], big)  # 2 of the 5 requests so far
+        for _ in range(20):
+            peer.send("w0", fetch, rid="big")
+        again = 0
+        while not peer.no_reply_within(0.5):
+            again += 1
+        assert 1 <= again <= 3  # answered while within its rate: 3 of the burst were left
+
+
+def test_asks_to_resend_a_kept_transfer_count_against_the_askers_rate():
+    # A transfer a run sent is kept, and sent again whenever the identity it went to asks
+    # (ipfs: PubSub drops messages). A client may name itself as that identity: uncounted,
+    # its small asks made the worker's shared sender thread publish the transfer again as
+    # often as it liked, past its rate limit.
+    with gg.local_grid(1, limits=Limits(requests_per_second=0.01, request_burst=5)) as grid:
+        peer = Peer(grid)
+        copies = []
+        peer.transport.subscribe(worker_topic("x"), lambda sender, payload: copies.append(1))
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        assert peer.request("w0", {"kind": "put", "values": [[1, big]]})["ok"]
+        send = run([["send", [0], "x"]], [1], peers={"x": peer.transport.identity})
+        assert peer.request("w0", send)["ok"]  # 2 of the 5 requests so far
+        assert len(copies) == 1
+        ask = {"kind": "resend", "client": "mallory/s", "run": 1, "value": 1, "dst": "x"}
+        for _ in range(20):
+            peer.publish("w0", wire.encode(ask))
+        # (the worker's sender thread sends in order: once this reply is here, all went)
+        assert peer.request("w0", {"kind": "bye", "session": "gone"})["ok"]
+        assert 1 <= len(copies) - 1 <= 3  # sent again while within its rate
+
+
+def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
+    # A transfer waits in the inbox of the session it names, counted at its size on the
+    # wire. Kept decoded, a message of 16,000 empty tensors (300 kB) held 16,000 tensor
+    # objects (about 8 MB): 26x what the session's memory limit saw, in the worker's own
+    # process, whatever runs the programs.
+    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+        peer = Peer(grid)
+        empties = [torch.empty(0) for _ in range(16_000)]
+        assert peer.request("w0", {"kind": "ping"})["ok"]
+        before = _tensors_alive()
+        for run_id in range(1, 6):
+            transfer = {"kind": "transfer", "client": "mallory/s", "run": run_id, "src": "w1",
+                        "values": list(range(16_000)), "tensors": empties}  # fmt: skip
+            peer.publish("w0", wire.encode(transfer))
+        assert grid.local_workers[0].sessions["mallory/s"].memory() > 5 * 16_000 * 14
+        assert _tensors_alive() - before < 16_000
+
+
+def _tensors_alive() -> int:
+    gc.collect()
+    return sum(type(o) is torch.Tensor for o in gc.get_objects())
+
+
+def test_requests_waiting_in_a_sessions_queue_hold_at_most_its_memory_limit():
+    # A session's requests wait while one of them runs (here a recv nobody satisfies).
+    # Unbounded, a peer could queue as many large puts behind it as its request rate
+    # allows (2,000 of up to 256 MiB each by default), all held in the worker's network
+    # process, each checked against the memory limit only when its turn came.
+    cap = 1 << 20
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        peer = Peer(grid)
+        wait = run([["recv", [0], "w1"]], [9], run_id=7, peers={"w1": "w1"})
+        blocked = peer.send("w0", wait)
+        puts = [peer.send("w0", {"kind": "put", "values": [[i, torch.zeros(1 << 16)]]})
+                for i in range(8)]  # fmt: skip
+        session = grid.local_workers[0].sessions["mallory/s"]
+        assert sum(len(payload) for _, _, payload in session.queue) <= cap
+        replies = _replies(peer, {puts[-1]})  # at once, while the recv still waits
+        assert "memory limit" in replies[puts[-1]]["error"]["message"], replies[puts[-1]]
+        peer.send("w0", {"kind": "abort", "run": 7})
+        replies.update(_replies(peer, {blocked, *puts} - replies.keys()))
+        assert not replies[blocked]["ok"]
+        stored = [replies[rid]["ok"] for rid in puts]
+        assert stored == sorted(stored, reverse=True) and stored[0]  # the first ones fit
+        assert peer.request("w0", {"kind": "stats"})["objects"] == sum(stored)
+
+
+def _replies(peer: Peer, rids: set[str]) -> dict[str, dict]:
+    """Replies to the requests `rids` (and any others that come first), by request id."""
+    got: dict[str, dict] = {}
+    while not rids <= got.keys():
+        reply = peer.replies.get(timeout=20)
+        got[reply["re"]] = reply
+    return got
+
+
+def test_the_rate_limiter_forgets_peers_whose_buckets_refilled():
+    # Past 100,000 peers the limiter forgets those long gone. It judged a bucket by its
+    # tokens when last used, not refilled since: a peer that sent one request stayed
+    # forever, and so many identities made every later request rebuild the whole table.
+    bucket = RateLimiter(rate=1000.0, burst=2)
+    for i in range(100_001):
+        assert bucket.allow(f"peer-{i}")  # each left with 1 of its 2 tokens
+    threading.Event().wait(0.01)  # all refilled by now
+    assert bucket.allow("one more")
+    assert len(bucket._buckets) < 100
+
+
+def test_requests_waiting_in_a_sessions_queue_hold_no_more_than_they_count():
+    # Behind a run that waits, 20 puts of 16,000 empty tensors each: 4.6 MB on the wire,
+    # within the limit, but 320,000 tensor objects (about 160 MB) while they wait.
+    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+        peer = Peer(grid)
+        wait = run([["recv", [0], "w1"]], [9], run_id=7, peers={"w1": "w1"})
+        blocked = peer.send("w0", wait)
+        empties = [torch.empty(0) for _ in range(16_000)]
+        before = _tensors_alive()
+        puts = []
+        for i in range(20):
+            values = [[i * 16_000 + j, t] for j, t in enumerate(empties)]
+            puts.append(peer.send("w0", {"kind": "put", "values": values}))
+        grown = _tensors_alive() - before
+        peer.send("w0", {"kind": "abort", "run": 7})
+        _replies(peer, {blocked, *puts})
+        assert grown <= 16_000  # the first only, which found the queue empty

@@ -186,12 +186,13 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
 def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
     state = session.Session("alice/s", "alice")
     key = (1, 11, "w1")  # run 1, value 11, from worker w1
-    state.deliver(key, "mallory", {"forged": True}, bytes(10))  # first, under the same key
-    state.deliver(key, "box-1", {"real": True}, bytes(20))  # w1's identity, as its run names
+    forged, real = b"a forged transfer", b"the real transfer"  # as received
+    state.deliver(key, "mallory", forged)  # first, under the same key
+    state.deliver(key, "box-1", real)  # w1's identity, as its run names
     with state.cv:
         assert state.has_transfer(key, "box-1") and not state.has_transfer(key, "carol")
-        assert state.take(key, "box-1")[0] == {"real": True}
+        assert state.take(key, "box-1") == real
     assert state.memory() == 0  # the forgery went with it
-    state.deliver(key, "box-1", {"real": True}, bytes(20))  # a resent copy: used already
-    state.deliver(key, "mallory", {"forged": True}, bytes(10))
+    state.deliver(key, "box-1", real)  # a resent copy: used already
+    state.deliver(key, "mallory", forged)
     assert state.memory() == 0
