@@ -63,6 +63,7 @@ import torch
 from gridgraph.exec import intraop, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
+    TRANSFER_BYTES,
     LimitExceeded,
     Limits,
     TimeLimitExceeded,
@@ -255,7 +256,7 @@ class Session:
                 return  # ipfs: a resent copy of one already here or used
             got[sender] = payload
             self.inbox[key] = got
-            self._inbox_bytes += len(payload)
+            self._inbox_bytes += len(payload) + TRANSFER_BYTES
             self.cv.notify_all()
 
     def has_transfer(self, key: tuple[int, int, str], sender: str) -> bool:
@@ -267,7 +268,7 @@ class Session:
         ones other identities sent under that key (the caller holds `cv`)."""
         got = self.inbox.pop(key)
         payload = got.pop(sender)
-        self._inbox_bytes -= len(payload) + sum(len(p) for p in got.values())
+        self._inbox_bytes -= sum(len(p) + TRANSFER_BYTES for p in (payload, *got.values()))
         for other in got:
             log.warning("client %s: dropped a transfer claiming to come from %s: sent by %s, "
                         "not by the identity its run names", self.key, key[2], other)  # fmt: skip

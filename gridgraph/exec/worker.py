@@ -61,7 +61,13 @@ import time
 from collections.abc import Callable
 
 from gridgraph.exec import executor, wire
-from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter, format_size
+from gridgraph.exec.limits import (
+    TRANSFER_BYTES,
+    LimitExceeded,
+    Limits,
+    RateLimiter,
+    format_size,
+)
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -291,13 +297,13 @@ class Worker:
                    "an error"}  # fmt: skip
             payload = b""
         cap = self.limits.max_client_memory
-        if cap is not None and session.memory() + len(payload) > cap:
+        if cap is not None and session.memory() + len(payload) + TRANSFER_BYTES > cap:
             msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
             payload = b""
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
-            if cap is not None and session.memory() + len(payload) > cap:
+            if cap is not None and session.memory() + len(payload) + TRANSFER_BYTES > cap:
                 # Not even the error fits: kept, errors under keys no run takes would grow
                 # the inbox past the limit without bound. A run waiting for it times out.
                 log.warning("%s: dropped a transfer for %s: its memory limit is reached",

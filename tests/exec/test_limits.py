@@ -7,7 +7,9 @@ grants on IPFS; every result is compared with plain torch.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
+import tracemalloc
 
 import pytest
 import torch
@@ -16,7 +18,13 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.limits import RECORD_BYTES, Limits, RateLimiter, format_size, parse_size
+from gridgraph.exec.limits import (
+    RECORD_BYTES,
+    Limits,
+    RateLimiter,
+    format_size,
+    parse_size,
+)
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
 
@@ -234,6 +242,31 @@ def test_transfers_over_the_memory_limit_do_not_grow_a_sessions_inbox_past_it():
             peer.publish("w0", wire.encode(transfer))
         stats = peer.request("w0", {"kind": "stats"})
         assert stats["ok"] and stats["memory"] - RECORD_BYTES <= cap, stats  # (its record)
+
+
+def test_each_transfer_an_inbox_keeps_is_charged_its_bookkeeping():
+    # Tiny transfers under keys no run takes: each costs the worker its key, a bytes object
+    # and dictionary entries beside its payload, 4x the payload's bytes. Charged the
+    # payload only, a session's inbox held about 4x its memory limit.
+    cap = 64 << 10
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "ping"})["ok"]  # the session exists
+        logging.disable(logging.WARNING)  # pytest keeps each log record: not the worker's
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for vid in range(1, 2001):
+                transfer = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w1",
+                            "values": [vid], "tensors": [torch.zeros(1)]}  # fmt: skip
+                peer.publish("w0", wire.encode(transfer))
+            assert peer.request("w0", {"kind": "ping"})["ok"]
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+            logging.disable(logging.NOTSET)
+        assert grid.local_workers[0].sessions["mallory/s"].inbox  # some were kept
+        assert held <= 1.25 * cap, held
 
 
 def test_resends_of_an_answered_request_count_against_the_peers_rate():
