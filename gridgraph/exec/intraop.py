@@ -3,9 +3,11 @@
 State: torch's own setting, which is per thread, and `_THREAD.default`: what the thread
 found before it first changed it. Policy: an op whose work (as `limits.op_footprint` counts
 it: elements touched, multiply-adds of a product) is under `SMALL_WORK` runs on one thread;
-any other op runs on the thread's default. The choice depends on the op and its shapes
-only, so a program repeats bit for bit, run after run (kernels such as convolutions round
-differently on another number of threads).
+any other op runs on the thread's default. Ops whose thread count cannot matter at their
+size (`threads_matter_from`: views, and pointwise ops under ATen's grain size, which run
+inline) leave the setting as it is, so a big step's few small ops cost no switching. The
+choice depends on the op and its shapes only, so a program repeats bit for bit, run after
+run (kernels such as convolutions round differently on another number of threads).
 
 Why: each thread that runs an OpenMP region keeps a team of helper threads. Once a process
 holds more OpenMP threads than cores, libgomp puts idle helpers to sleep at once, so each
@@ -23,6 +25,7 @@ still take up one thread.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -30,8 +33,24 @@ import torch
 # Under this much work an op is too small to gain from a second thread: a product of
 # 32x64 by 64x64 is 1.3e5 multiply-adds, a few microseconds on one core.
 SMALL_WORK = 2e5
+# ATen runs a pointwise op on fewer elements than this inline, on the calling thread
+# (at::internal::GRAIN_SIZE).
+GRAIN_SIZE = 32768
 
 _THREAD = threading.local()
+
+
+def threads_matter_from(op: torch._ops.OpOverload) -> float:
+    """The least work at which `op`'s result or speed can depend on the intra-op threads:
+    never for a view (it computes nothing), GRAIN_SIZE for a pointwise op (run inline below
+    it), and any work for the rest (MKL and oneDNN kernels use every thread at any size)."""
+    schema = op._schema
+    if torch.Tag.inplace_view in op.tags or (
+        schema.returns
+        and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    ):
+        return math.inf
+    return GRAIN_SIZE if torch.Tag.pointwise in op.tags else 0.0
 
 
 def use_threads_for(work: float) -> None:

@@ -521,13 +521,14 @@ class CompiledCall:
     """
 
     __slots__ = ("name", "op", "run", "args", "kwargs", "fills", "outs", "writes", "report",
-                 "n_returns", "_footprints")  # fmt: skip
+                 "n_returns", "threads_matter_from", "_footprints")  # fmt: skip
 
     def __init__(self, step: list) -> None:
         _, name, args, kwargs, outs, writes, report = step
         self.name = name
         self.op = resolve(name)
         self.run = runner(self.op)  # (session rng, args, kwargs) -> result; see ops.py
+        self.threads_matter_from = intraop.threads_matter_from(self.op)
         self.outs, self.writes, self.report = outs, writes, report
         self.n_returns = len(outs) - len(writes)
         # (position or keyword, filler) for each argument that names a slot or parameter;
@@ -759,7 +760,8 @@ class Run:
         resolved, kw = call.arguments(self.value, self.params)
         if work is None:  # its inputs came during the run: check its footprint now
             work = self.check_footprint(call, resolved, kw)
-        intraop.use_threads_for(work)
+        if work >= call.threads_matter_from:
+            intraop.use_threads_for(work)
         result = call.run(self.s.rng, resolved, kw)
         check_view(result)
         self.s.ops_run += 1

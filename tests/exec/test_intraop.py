@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from gridgraph.exec.intraop import SMALL_WORK, use_threads_for
+from gridgraph.exec.intraop import GRAIN_SIZE, SMALL_WORK, threads_matter_from, use_threads_for
 
 
 def on_new_thread(fn):
@@ -65,3 +66,14 @@ def test_only_a_big_op_on_a_local_worker_starts_openmp_helpers(side, team):
         [sys.executable, "-c", SCRIPT, str(side)], text=True, timeout=120
     )
     assert (int(added.strip()) > 0) == team
+
+
+def test_views_and_small_pointwise_ops_need_no_switch():
+    # A big step's few small ops (a view of the logits, a bias update) switched a worker's
+    # thread down and up again each step; these run the same on any number of threads.
+    aten = torch.ops.aten
+    assert threads_matter_from(aten.view.default) == math.inf
+    assert threads_matter_from(aten.transpose_.default) == math.inf  # an in-place view
+    assert threads_matter_from(aten.add_.Tensor) == GRAIN_SIZE  # pointwise: inline below it
+    assert threads_matter_from(aten.mm.default) == 0  # MKL: every thread, at any size
+    assert threads_matter_from(aten._log_softmax.default) == 0
