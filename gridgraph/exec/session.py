@@ -36,7 +36,8 @@ any step runs. Steps whose inputs only arrive during the run (a `recv`) are chec
 way just before they run, from footprints remembered per argument layout (a replayed step
 receives the same layouts every time). Both are cached; neither is skipped. Every result
 is bounds-checked, the memory limit is checked after every call (from running byte counts)
-and the time limit before every step. A run that fails undoes what it stored.
+and the time limit before every step. A run that fails undoes what it stored. The work the
+footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
 
 Transfers between workers: a run message names the identity of every worker its `send` and
 `recv` steps name (`peers`, which the client takes from its own view of the grid, where its
