@@ -13,7 +13,8 @@ A client is one session of one authenticated peer (see worker.py). Policy:
                 undone.
     messages    a message over `max_message_bytes` is dropped unread.
     rate        each peer may send `requests_per_second` requests, in bursts of up to
-                `request_burst`; the rest are refused, naming the limit. A resend answered
+                `request_burst`; the rest are refused, naming the limit, at most as often
+                (past that, dropped unanswered and unrecorded). A resend answered
                 again and an ask to resend a kept transfer count too (past the rate they
                 are ignored: the worker's sender thread is everyone's).
     sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one

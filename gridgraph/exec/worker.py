@@ -36,7 +36,10 @@ Policy:
       request was accepted and served. A request over the peer's rate, the session's memory
       or time limit is refused with an error naming the limit (limits.py); so is one that
       would make the requests waiting in the session's queue hold more than its memory
-      limit (they are held here, whatever runs them).
+      limit (they are held here, whatever runs them). Refusals for a peer over its rate
+      are themselves limited to that rate: past it, its requests are dropped unanswered
+      and unrecorded (a resend later is judged afresh), so a flood of tiny requests
+      cannot fill the one sender thread's queue ahead of other clients' replies.
     - A malformed request gets an error reply when it names a reply topic and an id.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
@@ -125,6 +128,9 @@ class Worker:
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
+        # Refusals a peer over its rate is sent, at the same rate: past both, its requests
+        # are dropped unanswered (each refusal is a message from the one sender thread).
+        self._refusals = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Publications decided on the transport's thread go out from this one thread:
         # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
@@ -174,7 +180,8 @@ class Worker:
         try:
             session = self._session(key, sender, create=msg["kind"] != "bye")
         except (RequestError, LimitExceeded) as e:
-            self._refuse(reply_to, rid, e)
+            if self._refusals.allow(sender):
+                self._refuse(reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
             self._outbox.put(
@@ -199,13 +206,16 @@ class Worker:
                     self._refuse(reply_to, rid, error)
                 return
             cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
-            if msg["kind"] not in REQUEST_KINDS:
-                error = RequestError(f"unknown request kind {msg['kind']!r}")
-            elif not self._rate.allow(sender):
+            if not self._rate.allow(sender):
+                if not self._refusals.allow(sender):
+                    log.debug("%s: dropped a request of %s, over twice its rate", self.name, key)
+                    return  # not recorded: a resend later is judged afresh
                 error = LimitExceeded(
                     f"over the rate limit of {self.limits.requests_per_second:g} requests a "
                     f"second per peer (requests_per_second)"
                 )
+            elif msg["kind"] not in REQUEST_KINDS:
+                error = RequestError(f"unknown request kind {msg['kind']!r}")
             elif cap is not None and session.queued_bytes + len(payload) > cap:
                 waiting = format_size(session.queued_bytes + len(payload))
                 error = LimitExceeded(

@@ -269,6 +269,21 @@ def test_each_transfer_an_inbox_keeps_is_charged_its_bookkeeping():
         assert held <= 1.25 * cap, held
 
 
+@pytest.mark.parametrize("kind", ["ping", "no-such-kind"])
+def test_refusals_of_a_peer_over_its_rate_are_rate_limited_too(kind):
+    # Each refusal is a message from the worker's one shared sender thread (on IPFS, a Kubo
+    # publish of ~1 ms). Unbounded, a peer's flood of tiny requests over its rate queued a
+    # refusal for each, ahead of every other client's replies.
+    with gg.local_grid(1, limits=Limits(requests_per_second=0.01, request_burst=5)) as grid:
+        peer = Peer(grid)
+        for _ in range(50):
+            peer.send("w0", {"kind": kind})
+        answered = 0
+        while not peer.no_reply_within(0.5):
+            answered += 1
+        assert 5 <= answered <= 10  # within its rate, then a refusal burst as large
+
+
 def test_resends_of_an_answered_request_count_against_the_peers_rate():
     # A resend of a request whose reply is kept gets that reply again, from the worker's
     # one shared sender thread. Uncounted, ~200 bytes asking again for a large reply made
