@@ -53,8 +53,12 @@ def threads_matter_from(op: torch._ops.OpOverload) -> float:
     return GRAIN_SIZE if torch.Tag.pointwise in op.tags else 0.0
 
 
-def use_threads_for(work: float) -> None:
-    """Let torch use one intra-op thread here if `work` is small, else this thread's default."""
+def use_threads_for(work: float, matters_from: float) -> None:
+    """Let torch use one intra-op thread here for an op of `work` if that is small, else this
+    thread's default; leave the setting as it is if the op's `threads_matter_from` is over
+    `work`."""
+    if work < matters_from:
+        return
     default = getattr(_THREAD, "default", None)
     if default is None:
         default = _THREAD.default = torch.get_num_threads()

@@ -260,6 +260,11 @@ class Session:
             self._inbox_bytes += len(payload) + TRANSFER_BYTES
             self.cv.notify_all()
 
+    def inbox_fits(self, payload: bytes, cap: int | None) -> bool:
+        """Whether keeping `payload` in the inbox (charged as `deliver` charges it) leaves
+        this session within `cap` bytes (None: no limit)."""
+        return cap is None or self.memory() + len(payload) + TRANSFER_BYTES <= cap
+
     def has_transfer(self, key: tuple[int, int, str], sender: str) -> bool:
         """Whether identity `sender`'s transfer `key` is here (the caller holds `cv`)."""
         return sender in self.inbox.get(key, ())
@@ -761,8 +766,7 @@ class Run:
         resolved, kw = call.arguments(self.value, self.params)
         if work is None:  # its inputs came during the run: check its footprint now
             work = self.check_footprint(call, resolved, kw)
-        if work >= call.threads_matter_from:
-            intraop.use_threads_for(work)
+        intraop.use_threads_for(work, call.threads_matter_from)
         result = call.run(self.s.rng, resolved, kw)
         check_view(result)
         self.s.ops_run += 1

@@ -64,13 +64,7 @@ import time
 from collections.abc import Callable
 
 from gridgraph.exec import executor, wire
-from gridgraph.exec.limits import (
-    TRANSFER_BYTES,
-    LimitExceeded,
-    Limits,
-    RateLimiter,
-    format_size,
-)
+from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter, format_size
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -261,31 +255,37 @@ class Worker:
             if session is not None and (not create or opened_by or not session.opened_by):
                 return session
             # A new session, or its client's first request to one a transfer opened.
-            limit = self.limits.sessions_per_peer
-            if opened_by:
-                if sum(s.opened_by == opened_by for s in self.sessions.values()) >= limit:
-                    raise LimitExceeded(
-                        f"transfers from {opened_by} already opened {limit} sessions here "
-                        f"(sessions_per_peer)"
-                    )
-            else:
-                theirs = [s for s in self.sessions.values() if s.peer == peer and not s.opened_by]
-                if len(theirs) >= limit:
-                    idle = [s for s in theirs if not s.busy]
-                    if not idle:
-                        raise LimitExceeded(
-                            f"this peer already runs {len(theirs)} sessions here "
-                            f"(sessions_per_peer)"
-                        )
-                    oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
-                    del self.sessions[oldest.key]
-                    log.info("%s: client %s evicted: its peer opened a session over its %d",
-                             self.name, oldest.key, limit)  # fmt: skip
-                    oldest.close()
+            self._make_room(peer, opened_by)
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
             session.opened_by = opened_by
             return session
+
+    def _make_room(self, peer: str, opened_by: str | None) -> None:
+        """Make room for one more session of `peer` (the caller holds `_lock`): under the
+        `sessions_per_peer` limit, by closing the peer's own oldest idle session if need be.
+        Transfers from `opened_by` open at most that many and close none."""
+        limit = self.limits.sessions_per_peer
+        if opened_by:
+            if sum(s.opened_by == opened_by for s in self.sessions.values()) >= limit:
+                raise LimitExceeded(
+                    f"transfers from {opened_by} already opened {limit} sessions here "
+                    f"(sessions_per_peer)"
+                )
+            return
+        theirs = [s for s in self.sessions.values() if s.peer == peer and not s.opened_by]
+        if len(theirs) < limit:
+            return
+        idle = [s for s in theirs if not s.busy]
+        if not idle:
+            raise LimitExceeded(
+                f"this peer already runs {len(theirs)} sessions here (sessions_per_peer)"
+            )
+        oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
+        del self.sessions[oldest.key]
+        log.info("%s: client %s evicted: its peer opened a session over its %d",
+                 self.name, oldest.key, limit)  # fmt: skip
+        oldest.close()
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
         values = msg.get("values")
@@ -307,13 +307,13 @@ class Worker:
                    "an error"}  # fmt: skip
             payload = b""
         cap = self.limits.max_client_memory
-        if cap is not None and session.memory() + len(payload) + TRANSFER_BYTES > cap:
+        if not session.inbox_fits(payload, cap):
             msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
             payload = b""
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
-            if cap is not None and session.memory() + len(payload) + TRANSFER_BYTES > cap:
+            if not session.inbox_fits(payload, cap):
                 # Not even the error fits: kept, errors under keys no run takes would grow
                 # the inbox past the limit without bound. A run waiting for it times out.
                 log.warning("%s: dropped a transfer for %s: its memory limit is reached",

@@ -27,14 +27,16 @@ def test_small_work_runs_on_one_thread_and_later_threads_keep_the_default():
     default = on_new_thread(torch.get_num_threads)
 
     def small_then_big():
-        use_threads_for(SMALL_WORK / 10)
+        use_threads_for(SMALL_WORK / 10, 0)
         small = torch.get_num_threads()
         later = on_new_thread(torch.get_num_threads)
-        use_threads_for(SMALL_WORK * 10)
-        return small, later, torch.get_num_threads()
+        use_threads_for(SMALL_WORK * 10, math.inf)  # e.g. a view: the setting stays
+        kept = torch.get_num_threads()
+        use_threads_for(SMALL_WORK * 10, 0)
+        return small, later, kept, torch.get_num_threads()
 
-    small, later, big = on_new_thread(small_then_big)
-    assert (small, later, big) == (1, default, default)
+    small, later, kept, big = on_new_thread(small_then_big)
+    assert (small, later, kept, big) == (1, default, 1, default)
     assert torch.get_num_threads() == default  # the caller's own thread is untouched
 
 
