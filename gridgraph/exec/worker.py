@@ -178,9 +178,12 @@ class Worker:
                 self._refuse(reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
-            self._outbox.put(
-                (reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0}), None)
-            )
+            if self._rate.allow(sender):  # answered within the peer's rate, as any request
+                self._outbox.put(
+                    (reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0}), None)
+                )
+            elif self._refusals.allow(sender):
+                self._refuse(reply_to, rid, self._over_rate())
             return
         with session.cv:
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
@@ -204,10 +207,7 @@ class Worker:
                 if not self._refusals.allow(sender):
                     log.debug("%s: dropped a request of %s, over twice its rate", self.name, key)
                     return  # not recorded: a resend later is judged afresh
-                error = LimitExceeded(
-                    f"over the rate limit of {self.limits.requests_per_second:g} requests a "
-                    f"second per peer (requests_per_second)"
-                )
+                error = self._over_rate()
             elif msg["kind"] not in REQUEST_KINDS:
                 error = RequestError(f"unknown request kind {msg['kind']!r}")
             elif cap is not None and session.queued_bytes + len(payload) > cap:
@@ -241,6 +241,12 @@ class Worker:
         threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         ).start()
+
+    def _over_rate(self) -> LimitExceeded:
+        return LimitExceeded(
+            f"over the rate limit of {self.limits.requests_per_second:g} requests a second "
+            f"per peer (requests_per_second)"
+        )
 
     def _session(
         self, key: str, peer: str, create: bool, opened_by: str | None = None
