@@ -15,6 +15,7 @@ State:
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
     rate       a token bucket per peer (limits.py)
+    serving    the sessions' serving threads still running; `close` waits for them
 
 Policy:
     - The transport's thread only decodes, checks and enqueues (`on_message`); it never
@@ -83,6 +84,8 @@ log = logging.getLogger("gridgraph.worker")
 DISCOVERY_TOPIC = "gridgraph.discovery"
 # A session's serving thread waits this long for its next request before it ends.
 SERVER_LINGER = 2.0
+# How long `close` waits, at most, for its threads to end (a long op may be running).
+CLOSE_WAIT = 5.0
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -129,6 +132,7 @@ class Worker:
         # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
         self._closed = False
+        self._serving: set[threading.Thread] = set()  # session threads running (guarded by _lock)
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
         self._sender.start()
         transport.subscribe(worker_topic(name), self.on_message)
@@ -238,9 +242,12 @@ class Worker:
                 session.cv.notify_all()
                 return
             session.serving = True
-        threading.Thread(
+        thread = threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
-        ).start()
+        )
+        with self._lock:
+            self._serving.add(thread)
+        thread.start()
 
     def _over_rate(self) -> LimitExceeded:
         return LimitExceeded(
@@ -378,6 +385,8 @@ class Worker:
                     session.cv.wait_for(lambda: session.queue or session.closed, SERVER_LINGER)
                 if not session.queue or session.closed:
                     session.busy = session.serving = False
+                    with self._lock:
+                        self._serving.discard(threading.current_thread())
                     return
                 msg, arrived, payload = session.queue.popleft()
                 session.queued_bytes -= len(payload)
@@ -542,7 +551,13 @@ class Worker:
             self.sessions.clear()
         for session in sessions:
             session.close()
-        self._sender.join(timeout=5)
+        # Wait for the serving threads to end: one still unwinding torch's thread-local
+        # state (its OpenMP team) while the interpreter exits can abort the process.
+        deadline = time.monotonic() + CLOSE_WAIT
+        with self._lock:
+            serving = list(self._serving)
+        for thread in [self._sender, *serving]:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _client_key(sender: str, msg: dict) -> str:

@@ -8,6 +8,8 @@ from (`peers`), and a worker takes a transfer only from that identity.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 
 import hostile
@@ -264,3 +266,18 @@ def test_a_run_must_name_the_identity_of_every_worker_it_sends_to_or_receives_fr
     again = hostile.run(sends, [1], run_id=2, program=False)  # the cached program, unnamed
     reply = peer.request("w0", again)
     assert not reply["ok"] and "peers" in reply["error"]["message"], reply
+
+
+def test_closing_a_grid_waits_for_its_workers_serving_threads():
+    # A serving thread that still ran (unwinding torch's thread-local state) while the
+    # interpreter exited could abort the process at exit; close now joins them.
+    grid = gg.local_grid(1)
+    peer = Peer(grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.randn(1500, 1500)]]})["ok"]
+    products = [hostile.call("aten::mm.default", [Slot(i), Slot(i)], [i + 1]) for i in range(4)]
+    peer.send("w0", hostile.run(products, [1, 2, 3, 4, 5]))  # ~1 s of products
+    time.sleep(0.2)  # (no timing is asserted: a run that had not started just ends sooner)
+    serving = [t for t in threading.enumerate() if t.name.startswith("w0-")]
+    assert serving
+    grid.close()
+    assert not [t for t in serving if t.is_alive()]
