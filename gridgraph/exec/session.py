@@ -294,6 +294,16 @@ class Session:
 
     # --- end -------------------------------------------------------------------------------
 
+    def end_if_idle(self) -> bool:
+        """Mark this session ended, unless a request of it waits or runs (then False). From
+        then on its requests are refused (the worker checks `closed`); `close` frees the
+        rest."""
+        with self.cv:
+            if self.busy:
+                return False
+            self.closed = True
+            return True
+
     def close(self) -> int:
         """Free everything this session holds; returns the number of tensors freed."""
         with self.cv:

@@ -32,7 +32,7 @@ Policy:
       reply gets that reply again, within the peer's request rate (past it, the resend is
       ignored: a refusal would say that a request which ran did not). Every accepted
       request gets exactly one reply: an error reply if anything fails, including encoding
-      the reply itself.
+      the reply itself, or if its session ends (bye, lease, eviction) before it runs.
     - A refused request changes nothing, not even its `free` list: frees apply only once the
       request was accepted and served. A request over the peer's rate, the session's memory
       or time limit is refused with an error naming the limit (limits.py); so is one that
@@ -86,6 +86,12 @@ DISCOVERY_TOPIC = "gridgraph.discovery"
 SERVER_LINGER = 2.0
 # How long `close` waits, at most, for its threads to end (a long op may be running).
 CLOSE_WAIT = 5.0
+# The reply to a request of a session that ended before it ran (nothing of it ran).
+SESSION_ENDED = RequestError(
+    "the session ended (its bye, its lease, or its peer opening too many) before this request "
+    "ran; nothing of it ran",
+    "session-ended",
+)
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -190,6 +196,9 @@ class Worker:
                 self._refuse(reply_to, rid, self._over_rate())
             return
         with session.cv:
+            if session.closed:  # ended by its bye, its lease or an eviction meanwhile
+                self._refuse(reply_to, rid, SESSION_ENDED)
+                return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
             if rec is not None:  # a resend: never run twice
@@ -289,12 +298,12 @@ class Worker:
         theirs = [s for s in self.sessions.values() if s.peer == peer and not s.opened_by]
         if len(theirs) < limit:
             return
-        idle = [s for s in theirs if not s.busy]
-        if not idle:
+        by_age = sorted(theirs, key=lambda s: s.last_seen)
+        oldest = next((s for s in by_age if s.end_if_idle()), None)  # the peer's own, idle
+        if oldest is None:
             raise LimitExceeded(
                 f"this peer already runs {len(theirs)} sessions here (sessions_per_peer)"
             )
-        oldest = min(idle, key=lambda s: s.last_seen)  # the peer's own, and idle
         del self.sessions[oldest.key]
         log.info("%s: client %s evicted: its peer opened a session over its %d",
                  self.name, oldest.key, limit)  # fmt: skip
@@ -468,10 +477,17 @@ class Worker:
     # --- sessions ending ------------------------------------------------------------------
 
     def _forget(self, session: Session) -> int:
+        """End `session` at its bye: free it, and refuse the requests queued behind the bye."""
+        with session.cv:
+            session.closed = True  # later requests are refused on arrival
+            waiting = list(session.queue)
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
         n = session.close()
+        for msg, _, payload in waiting:
+            msg = msg or wire.decode(payload)  # (checked when it arrived)
+            self._refuse(msg["reply_to"], msg["id"], SESSION_ENDED)
         log.info("%s: client %s left", self.name, session.key)
         return n
 
@@ -481,10 +497,11 @@ class Worker:
         with self._lock:
             silent = [s for s in self.sessions.values() if now - s.last_seen > lease]
         for session in silent:
-            if not session.busy:
+            if session.end_if_idle():
                 log.info("%s: lease of client %s expired", self.name, session.key)
                 with self._lock:
-                    self.sessions.pop(session.key, None)
+                    if self.sessions.get(session.key) is session:
+                        del self.sessions[session.key]
                 session.close()
 
     # --- transfers between workers (called by Run) -----------------------------------------

@@ -281,3 +281,31 @@ def test_closing_a_grid_waits_for_its_workers_serving_threads():
     assert serving
     grid.close()
     assert not [t for t in serving if t.is_alive()]
+
+
+def test_a_request_queued_behind_its_sessions_bye_gets_an_error_reply(local_grid):
+    # The bye ends the session, and with it the requests queued behind it; they were
+    # dropped without a reply, where every accepted request gets exactly one.
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.randn(1500, 1500)]]})["ok"]
+    products = [hostile.call("aten::mm.default", [Slot(i), Slot(i)], [i + 1]) for i in range(2)]
+    busy = peer.send("w0", hostile.run(products, [1, 2, 3]))  # keeps the session busy
+    bye = peer.send("w0", {"kind": "bye"})
+    ping = peer.send("w0", {"kind": "ping"})  # queued behind the bye
+    assert peer.reply(busy, timeout=30)["ok"]
+    assert peer.reply(bye)["ok"]
+    reply = peer.reply(ping)
+    assert not reply["ok"] and "session ended" in reply["error"]["message"], reply
+
+
+def test_a_request_that_races_its_sessions_end_gets_an_error_reply(local_grid):
+    # A lease running out, or an eviction, can end a session between a request's lookup of
+    # it and its queueing there: such a request was queued on the ended session and never
+    # answered. Here the session is ended but still listed, as in that window.
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "ping"})["ok"]
+    session = local_grid.local_workers[0].sessions[f"{peer.transport.identity}/s"]
+    with session.cv:
+        session.closed = True
+    reply = peer.request("w0", {"kind": "ping"})
+    assert not reply["ok"] and "session ended" in reply["error"]["message"], reply
