@@ -48,8 +48,10 @@ class WorkerLost(RuntimeError):
 
 class SessionLost(RemoteError):
     """This client's session on a worker ended: the process running its programs crashed,
-    ran out of memory or past the worker's time limit. The tensors it held there are gone
-    (`.worker` names the worker, `.cause` says why); other workers and clients carry on."""
+    ran out of memory or past the worker's time limit, or the worker ended the session (its
+    lease ran out, or its peer opened more sessions than the worker allows). The tensors it
+    held there are gone (`.worker` names the worker, `.cause` says why); other workers and
+    clients carry on."""
 
     def __init__(self, worker: str, cause: str) -> None:
         super().__init__(worker, "<session>", cause)

@@ -54,6 +54,9 @@ from gridgraph.trace.record import on
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
+# Error codes of a session that is gone on its worker, with the tensors it held there: its
+# executor was lost, or the session ended (lease, eviction) before a request ran.
+SESSION_GONE = frozenset({"session-lost", "session-ended"})
 # Every client of this process (gg.compile looks for the ones a step records on).
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -447,7 +450,7 @@ class Client:
     def _remote_error(
         self, error: dict, slots: list[int], where_of: dict[int, str] | None = None
     ) -> RemoteError:
-        if error.get("code") == "session-lost":
+        if error.get("code") in SESSION_GONE:
             return SessionLost(str(error.get("worker")), str(error.get("message")))
         where = "<unknown>"
         slot = error.get("slot")
@@ -476,7 +479,7 @@ class Client:
         reply = self._wait(worker, self._send(worker, msg, counted))
         if not reply.get("ok"):
             error = reply.get("error", {})
-            if error.get("code") == "session-lost":
+            if error.get("code") in SESSION_GONE:
                 raise SessionLost(worker, str(error.get("message")))
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
@@ -570,7 +573,7 @@ class Client:
         for w in self.workers:
             try:
                 self.request(w, {"kind": "bye"})
-            except (GridError, WorkerLost):  # ipfs: a lost worker must not stop close()
+            except (GridError, WorkerLost, SessionLost):  # gone already: nothing to free
                 pass
         self.closed = True
         self.transport.close()

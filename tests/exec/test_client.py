@@ -284,3 +284,14 @@ def test_a_sent_view_is_its_values_from_offset_zero(local_grid, traced):
     assert torch.equal(got.get(), want.detach()) and torch.equal(got_grad.get(), want_grad)
     # A local view mixed into an op is shipped the same way.
     assert torch.equal((p.detach() + x).get(), x + x)
+
+
+def test_a_session_the_worker_ended_raises_session_lost(local_grid):
+    # A lease that ran out (or an eviction) ends a client's session on a worker, with the
+    # tensors it held there: the client's next request there says so, as SessionLost.
+    x = torch.ones(3).send(local_grid.workers[0])
+    (session,) = local_grid.local_workers[0].sessions.values()  # this client's one session
+    with session.cv:
+        session.closed = True  # ended, as its lease running out ends it
+    with pytest.raises(gg.SessionLost, match="session ended"):
+        x.get()
