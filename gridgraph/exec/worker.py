@@ -138,7 +138,7 @@ class Worker:
         # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
         self._closed = False
-        self._serving: set[threading.Thread] = set()  # session threads running (guarded by _lock)
+        self._serving: set[threading.Thread] = set()  # session threads started (under _lock)
         self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
         self._sender.start()
         transport.subscribe(worker_topic(name), self.on_message)
@@ -254,8 +254,8 @@ class Worker:
         thread = threading.Thread(
             target=self._drain, args=(session,), name=f"{self.name}-{key[-12:]}", daemon=True
         )
-        with self._lock:
-            self._serving.add(thread)
+        with self._lock:  # (the ones that ended are dropped here)
+            self._serving = {t for t in self._serving if t.is_alive()} | {thread}
         thread.start()
 
     def _over_rate(self) -> LimitExceeded:
@@ -394,8 +394,6 @@ class Worker:
                     session.cv.wait_for(lambda: session.queue or session.closed, SERVER_LINGER)
                 if not session.queue or session.closed:
                     session.busy = session.serving = False
-                    with self._lock:
-                        self._serving.discard(threading.current_thread())
                     return
                 msg, arrived, payload = session.queue.popleft()
                 session.queued_bytes -= len(payload)
