@@ -127,6 +127,10 @@ class Client:
         # resend, the ids it frees)
         self._outstanding: dict[str, tuple[str | None, bytes, list[int]]] = {}
         self._cv = threading.Condition()
+        # the request ids each waiting call needs (under _cv): a reply wakes a waiter only
+        # once all of its replies are in, so that on a local grid a step's first reply does
+        # not take the interpreter lock from the workers still running it
+        self._waiting: list[set[str]] = []
         self._lock = threading.RLock()  # one execution at a time per client
         transport.subscribe(self.topic, self._on_reply)
         CLIENTS.add(self)
@@ -511,8 +515,10 @@ class Client:
         start = time.monotonic()
         retry = {w: self.retry_after for w in rids}
         resend = {w: start + self.retry_after for w in rids}
+        needed = set(rids.values())
         try:
             with self._cv:
+                self._waiting.append(needed)
                 while True:
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
                     if not waiting:
@@ -535,6 +541,8 @@ class Client:
                         raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
                     self._cv.wait(min(0.25, self.retry_after))
         finally:
+            with self._cv:
+                self._waiting.remove(needed)
             for rid in rids.values():
                 self._outstanding.pop(rid, None)
                 self._replies.pop(rid, None)
@@ -558,7 +566,8 @@ class Client:
                 return  # only the worker the request went to may answer it
             with self._cv:
                 self._replies[msg["re"]] = msg
-                self._cv.notify_all()
+                if any(needed <= self._replies.keys() for needed in self._waiting):
+                    self._cv.notify_all()
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 import pytest
 import torch
@@ -295,3 +296,24 @@ def test_a_session_the_worker_ended_raises_session_lost(local_grid):
         session.closed = True  # ended, as its lease running out ends it
     with pytest.raises(gg.SessionLost, match="session ended"):
         x.get()
+
+
+def test_a_run_on_several_workers_wakes_its_caller_once(local_grid):
+    # The caller waits for every worker's reply. One that comes early must not wake it: on a
+    # local grid a woken caller takes the interpreter lock from the workers still running.
+    x, y = torch.randn(8), torch.randn(8)
+    a, b = x.send(local_grid.workers[0]), y.send(local_grid.workers[1])
+    wakes = []
+
+    class CountingCondition(threading.Condition):
+        def notify_all(self) -> None:
+            wakes.append(1)
+            super().notify_all()
+
+    local_grid.client._cv = CountingCondition()
+    for _ in range(5):
+        with gg.trace():
+            c, d = a * 2, b * 3  # one run: a part on each worker, two replies
+        gg.compute(c, d)
+    assert len(wakes) == 5  # once per run
+    assert torch.equal(c.get(), x * 2) and torch.equal(d.get(), y * 3)
