@@ -8,6 +8,10 @@ Prints, for an MLP whose layers are spread over 3 local workers:
     dominates;
   - messages per training step;
   - wall time per step next to the same step in plain torch, as a ratio, in one run.
+
+Plain torch is timed twice: interleaved with gridgraph, and alone, before the grid starts.
+The workers' threads can slow the user's own torch code beside them (bench_compile.py says
+how), so the ratios against the lone plain step count that too; both are printed.
 """
 
 from __future__ import annotations
@@ -43,6 +47,31 @@ def spread(model: nn.Module, grid: gg.Grid) -> None:
     linears = [m for m in model if isinstance(m, nn.Linear)]
     for i, layer in enumerate(linears):
         layer.send(grid.workers[i * len(grid.workers) // len(linears)])
+
+
+def plain_small_step(rounds: int = 7) -> float:
+    """Microseconds per step of `recording_overhead`'s tiny MLP in plain torch: the median
+    over rounds of 40 steps."""
+    model = mlp(8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    X, Y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    for _ in range(5):
+        step(model, opt, X, Y)
+    per_round = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(40):
+            step(model, opt, X, Y)
+        per_round.append((time.perf_counter() - t) / 40 * 1e6)
+    return statistics.median(per_round)
+
+
+def plain_steps(model, opt, X, Y, steps: int) -> float:
+    """Seconds per plain torch step of `model`, reading the loss each step."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        step(model, opt, X, Y).item()
+    return (time.perf_counter() - t) / steps
 
 
 def recording_overhead(grid: gg.Grid, rounds: int = 7) -> tuple[float, float, int]:
@@ -91,6 +120,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
 
+    torch.manual_seed(0)
+    local = mlp(args.hidden)
+    remote = copy.deepcopy(local)
+    X = torch.randn(args.batch, args.hidden)
+    Y = torch.randint(0, 10, (args.batch,))
+    opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
+    # plain torch alone, before the grid starts
+    small_alone = plain_small_step()
+    plain_steps(local, opt_l, X, Y, 2)  # warm-up
+    wide_alone = plain_steps(local, opt_l, X, Y, args.steps)
+
     with gg.local_grid(3) as grid:
         us_per_op, plain, ops = recording_overhead(grid)
         print(
@@ -99,15 +139,14 @@ def main() -> None:
             f"{plain:.1f} us per op, so gridgraph adds {us_per_op - plain:.1f} us): "
             f"ratio {us_per_op / plain:.2f}x plain torch (target <= 2x)"
         )
+        alone = small_alone / ops
+        print(
+            f"  plain torch alone, before the grid started: {alone:.1f} us per op; "
+            f"recording {us_per_op / alone:.2f}x that"
+        )
 
-        torch.manual_seed(0)
-        local = mlp(args.hidden)
-        remote = copy.deepcopy(local)
         spread(remote, grid)
-        X = torch.randn(args.batch, args.hidden)
-        Y = torch.randint(0, 10, (args.batch,))
         x, y = gg.send(X, grid.workers[0]), gg.send(Y, grid.workers[2])
-        opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
         opt_r = torch.optim.SGD(remote.parameters(), lr=0.01)
 
         def remote_step():
@@ -137,6 +176,10 @@ def main() -> None:
             f"plain torch {t_local / args.steps * 1e3:.1f} ms, "
             f"gridgraph (3 local workers) {t_remote / args.steps * 1e3:.1f} ms, "
             f"ratio {t_remote / t_local:.2f}x"
+        )
+        print(
+            f"  plain torch alone, before the grid started: {wide_alone * 1e3:.1f} ms; "
+            f"gridgraph {t_remote / args.steps / wide_alone:.2f}x that"
         )
 
 
