@@ -9,6 +9,9 @@ The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbyt
 pointing into the data region, so tensor bytes are copied once when a message is built and
 never again when it is read: the receiver's tensors are views of the received buffer.
 
+Tensors of the dtypes numpy shares (all but bfloat16) are packed and unpacked through numpy,
+without torch calls: each of those releases the interpreter lock (see `_NUMPY`).
+
 Nothing received is unpickled, evaluated or imported. Every non-msgpack value travels as an
 extension type that decodes to a plain value from a fixed table:
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from gridgraph.schedule.plan import Param, Slot
@@ -51,6 +55,20 @@ DTYPES = {
         torch.uint32, torch.uint16, torch.uint8, torch.bool,
     )
 }  # fmt: skip
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # bfloat16: numpy has none
+        return None
+
+
+# The dtypes whose bytes numpy reads and writes: their tensors are packed and unpacked through
+# numpy, with no torch call. Each torch call releases the interpreter lock; on a local grid,
+# where the client and the workers are threads of one process, that hands it to another
+# thread and waits to get it back, several times per tensor.
+_NUMPY = {d: n for d in DTYPES.values() if (n := _numpy_dtype(d)) is not None}
 _ENUMS = {
     str(v).removeprefix("torch."): v
     for v in (
@@ -66,6 +84,16 @@ class WireError(ValueError):
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
+    if (
+        t.dtype in _NUMPY
+        and t.is_cpu
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.is_contiguous()
+    ):  # the usual case, read through numpy (see _NUMPY)
+        return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
     dense = t.detach().resolve_conj().resolve_neg().contiguous()  # lazy x.conj(): its values
     # as_strided: a contiguous tensor may keep any stride on a dimension of size 1 (x.expand
     # of one element has stride 0), which view(uint8) refuses.
@@ -141,6 +169,11 @@ class _Decoder:
         self.regions.append((offset, offset + nbytes))
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
+        if dtype in _NUMPY:  # (see _NUMPY)
+            array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
+            if dtype == torch.bool and array.view(np.uint8).max() > 1:
+                raise WireError("a bool tensor holds a byte other than 0 and 1")
+            return torch.from_numpy(array.reshape(shape))
         tensor = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
         if dtype == torch.bool and tensor.view(torch.uint8).max() > 1:
             raise WireError("a bool tensor holds a byte other than 0 and 1")
@@ -158,7 +191,7 @@ def _aligned(data: memoryview) -> memoryview:
     """`data`, copied once into fresh aligned memory if it is misaligned for any dtype."""
     if not len(data):
         return data
-    address = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    address = np.frombuffer(data, dtype=np.uint8).ctypes.data
     if address % _MAX_ITEMSIZE == 0:
         return data
     fresh = torch.empty(len(data), dtype=torch.uint8)  # torch allocates 64-byte aligned

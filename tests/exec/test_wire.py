@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,57 @@ def test_decoded_tensors_are_aligned_for_their_dtype(dtype, header_pad):
     for sent, received in zip(tensors, got):
         assert received.data_ptr() % dtype.itemsize == 0
         assert torch.equal(sent, received)
+
+
+LAYOUTS = {
+    "scalar": lambda: torch.tensor(2.5),
+    "empty": lambda: torch.zeros(0, 3),
+    "transposed": lambda: torch.randn(3, 4).t(),
+    "expanded": lambda: torch.randn(3, 1).expand(3, 4),
+    "a stride-0 size-1 dim": lambda: torch.randn(3).as_strided((3, 1), (1, 0)),
+    "offset view": lambda: torch.randn(10)[3:7],
+    "requires grad": lambda: torch.randn(4, requires_grad=True),
+    "conj": lambda: torch.randn(3, dtype=torch.complex64).conj(),
+    "neg view": lambda: torch._neg_view(torch.randn(3, dtype=torch.complex64)),
+    "bfloat16": lambda: torch.randn(5).bfloat16(),
+    "bool": lambda: torch.tensor([True, False, True]),
+}
+
+
+@pytest.mark.parametrize("make", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_tensor_comes_out_as_its_values_in_row_major_order(make):
+    t = make()
+    got = wire.decode(wire.encode({"kind": "x", "t": t}))["t"]
+    want = t.detach().resolve_conj().resolve_neg()
+    assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, want)
+    assert got.is_contiguous() and not got.requires_grad
+    got.add_(1) if t.dtype != torch.bool else got.logical_not_()  # its own, writable memory
+    assert torch.equal(t.detach().resolve_conj().resolve_neg(), want)
+
+
+def test_dense_tensors_are_packed_and_unpacked_without_torch_calls_that_release_the_lock():
+    # Each of these torch calls releases the interpreter lock: on a local grid, where the
+    # client and workers are threads of one process, a handoff to another thread and a wait
+    # to get it back. Tensors of a dtype numpy shares go through numpy instead.
+    releasing = {"detach", "resolve_conj", "resolve_neg", "contiguous", "as_strided", "view",
+                 "reshape", "frombuffer"}  # fmt: skip
+    tensors = [torch.randn(32, 13), torch.arange(5), torch.tensor([True, False])]
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "c_call":
+            on_tensor = isinstance(getattr(arg, "__self__", None), torch.Tensor)
+            if on_tensor or getattr(arg, "__module__", None) == "torch":
+                called.append(arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        got = wire.decode(wire.encode({"kind": "transfer", "tensors": tensors}))["tensors"]
+    finally:
+        sys.setprofile(None)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, got))
+    assert "numel" in called  # (it sees torch's calls)
+    assert not releasing & set(called), sorted(releasing & set(called))
 
 
 def test_complex_results_from_a_worker_are_usable(local_grid):
