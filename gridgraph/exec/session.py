@@ -36,10 +36,10 @@ any step runs. Steps whose inputs only arrive during the run (a `recv`) are work
 the transfer arrives (the program again, with the received layouts: one lookup per recv, as a
 replayed step receives the same layouts every time), and each is checked just before it runs;
 steps whose inputs depend on data are worked out one by one, then. All of it is cached; none
-of it is skipped. Every result is bounds-checked, the memory limit is checked after every
-call (from running byte counts) and the time limit before every step. A run that fails
-undoes what it stored. The work the footprint finds for a call also sets how many intra-op
-threads it runs on (intraop.py).
+of it is skipped. Every result
+is bounds-checked, the memory limit is checked after every call (from running byte counts)
+and the time limit before every step. A run that fails undoes what it stored. The work the
+footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
 
 Transfers between workers: a run message names the identity of every worker its `send` and
 `recv` steps name (`peers`, which the client takes from its own view of the grid, where its
@@ -103,11 +103,10 @@ class Host(Protocol):
 log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
-FOOTPRINTS_KEPT = 8  # per program, and per call step: footprints remembered, by layouts
+FOOTPRINTS_KEPT = 8  # per call step: footprints remembered, by its arguments' metadata
 # A program with up to this many recv steps is worked out again, whole, once its received
-# values are known; one with more has those calls worked out one by one as they run. (A run
-# of one with this many looks up 1 + RECVS_WORKED_OUT footprints: FOOTPRINTS_KEPT hold them.)
-RECVS_WORKED_OUT = FOOTPRINTS_KEPT - 1
+# values are known (per layout, remembered); one with more checks those calls one by one.
+RECVS_WORKED_OUT = 8
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
@@ -515,7 +514,7 @@ class Program:
             i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
         }
         self.recvs = sum(step[0] == "recv" for step in self.steps)
-        # (input layouts, params[, received layouts]) -> its Footprint, the latest used
+        # (input metas, params[, received metas]) -> its Footprint, the latest few
         self._footprints: OrderedDict[tuple, Footprint] = OrderedDict()
 
     def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> Footprint:
@@ -551,7 +550,8 @@ class Program:
         found = self._footprints.get(key)
         if found is None:
             found = self._footprints[key] = work_out()
-            while len(self._footprints) > FOOTPRINTS_KEPT:
+            # (room for every recv's footprint of a few input layouts)
+            while len(self._footprints) > 8 * (1 + min(self.recvs, RECVS_WORKED_OUT)):
                 self._footprints.popitem(last=False)
         else:
             self._footprints.move_to_end(key)

@@ -208,9 +208,7 @@ def test_an_in_place_write_to_a_view_counts_no_new_memory():
         assert x.sum().item() == 1 << 19
 
 
-@pytest.mark.parametrize(
-    "recvs_worked_out", [session.RECVS_WORKED_OUT, 0], ids=["worked-out-at-the-recv", "one-by-one"]
-)
+@pytest.mark.parametrize("recvs_worked_out", [8, 0], ids=["worked-out-at-the-recv", "one-by-one"])
 def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused(
     recvs_worked_out, monkeypatch
 ):

@@ -211,29 +211,6 @@ def test_steps_after_a_transfer_are_worked_out_once_per_recv_not_call_by_call(mo
     assert by_call == []
 
 
-def test_a_programs_remembered_footprints_stay_bounded_whatever_layouts_it_receives():
-    # Each received layout is a footprint of its own: a peer sending ever new shapes must not
-    # grow what the worker keeps for the program past FOOTPRINTS_KEPT.
-    square = [["recv", [0], "w1"], hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]),
-              ["return", 1]]  # fmt: skip
-    with gg.local_grid(2) as grid:
-        peer = Peer(grid)
-        for run in range(1, 3 * session.FOOTPRINTS_KEPT):
-            x = torch.randn(run)  # a new layout each run
-            assert peer.request("w1", {"kind": "put", "values": [[run, x]]})["ok"]
-            first = run == 1
-            on_w0 = hostile.run(square, [run, 1000 + run], run_id=run, plan=1, program=first,
-                                peers={"w1": "w1"})  # fmt: skip
-            on_w1 = hostile.run([["send", [0], "w0"]], [run], run_id=run, plan=2, program=first,
-                                peers={"w0": "w0"})  # fmt: skip
-            rid = peer.send("w0", on_w0)
-            peer.send("w1", on_w1)
-            reply = peer.reply(rid)
-            assert reply["ok"] and torch.equal(reply["returns"][0][1], x * x), reply
-        program = grid.local_workers[0].sessions["mallory/s"].programs[1]
-        assert len(program._footprints) == session.FOOTPRINTS_KEPT
-
-
 def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
     state = session.Session("alice/s", "alice")
     key = (1, 11, "w1")  # run 1, value 11, from worker w1
