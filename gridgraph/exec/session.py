@@ -32,11 +32,9 @@ a template with the slot and parameter positions to fill), so a replay of a cach
 looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
-any step runs. Steps whose inputs only arrive during the run (a `recv`) are worked out when
-the transfer arrives (the program again, with the received layouts: one lookup per recv, as a
-replayed step receives the same layouts every time), and each is checked just before it runs;
-steps whose inputs depend on data are worked out one by one, then. All of it is cached; none
-of it is skipped. Every result
+any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
+way just before they run, from footprints remembered per argument layout (a replayed step
+receives the same layouts every time). Both are cached; neither is skipped. Every result
 is bounds-checked, the memory limit is checked after every call (from running byte counts)
 and the time limit before every step. A run that fails undoes what it stored. The work the
 footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
@@ -58,9 +56,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -104,9 +100,6 @@ log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
 FOOTPRINTS_KEPT = 8  # per call step: footprints remembered, by its arguments' metadata
-# A program with up to this many recv steps is worked out again, whole, once its received
-# values are known (per layout, remembered); one with more checks those calls one by one.
-RECVS_WORKED_OUT = 8
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
@@ -450,18 +443,18 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
         raise RequestError(f"run of plan {plan_id} does not fit its program")
     peers = _peers(msg.get("peers", {}), program, plan_id)
     # Checked from meta shapes before anything runs or changes; frees count as done.
-    footprint = program.footprint(session.store, slots, params)
+    peak, work, op_work = program.footprint(session.store, slots, params)
     held = session.memory() - session.store.bytes_freed_by(frees)
     if "program" in msg and plan_id not in session.programs:
         held += program.nbytes
-    host.limits.check_memory(held + footprint.peak, f"run {run} (plan {plan_id})")
-    host.limits.check_work(footprint.work, f"run {run} (plan {plan_id})")
+    host.limits.check_memory(held + peak, f"run {run} (plan {plan_id})")
+    host.limits.check_work(work, f"run {run} (plan {plan_id})")
     if "program" in msg:
         session.add_program(plan_id, program)
     session.programs.move_to_end(plan_id)
     _free(session, frees)
     deadline = host.limits.deadline(start)
-    return Run(host, session, run, slots, params, peers, deadline).execute(program, footprint)
+    return Run(host, session, run, slots, params, peers, deadline).execute(program, op_work)
 
 
 def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
@@ -513,64 +506,25 @@ class Program:
         self.calls: dict[int, CompiledCall] = {
             i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
         }
-        self.recvs = sum(step[0] == "recv" for step in self.steps)
-        # (input metas, params[, received metas]) -> its Footprint, the latest few
-        self._footprints: OrderedDict[tuple, Footprint] = OrderedDict()
+        # (input metas, params) -> (bytes at peak, work, {call step: its work})
+        self._footprints: OrderedDict[tuple, tuple[int, float, dict[int, float]]] = OrderedDict()
 
-    def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> Footprint:
-        """What a run needs, from the layouts of its stored inputs and its parameters.
+    def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> tuple:
+        """(new bytes at the peak, work, {call step index: its work}).
 
-        A call step missing from `calls` depends on a transfer or on data: it is known once
-        the transfer arrives (`footprint_after`), or worked out just before it runs."""
+        A call step missing from the dict depends on a transfer or on data: it is checked
+        when it runs (`Run.call`)."""
         inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
         key = (
             tuple((s, _meta_key(t)) for s, t in inputs.items()),
             tuple(sorted((i, _param_key(p)) for i, p in params.items())),
         )
-        return self._remembered(key, lambda: _footprint(self, key, inputs, params, {}))
-
-    def footprint_after(
-        self, before: Footprint, received: dict[int, torch.Tensor]
-    ) -> Footprint | None:
-        """`before`, worked out again now that the values in `received` (slot -> meta
-        tensor) arrived, so that the calls that read them are known too: one lookup per
-        recv rather than one per call. None for a program with more than RECVS_WORKED_OUT
-        recv steps: its calls are worked out one by one."""
-        if self.recvs > RECVS_WORKED_OUT:
-            return None
-        key = (before.key, tuple((s, _meta_key(t)) for s, t in received.items()))
-
-        def work_out() -> Footprint:
-            after = _footprint(self, key, before.inputs, before.params, received)
-            return replace(after, received=frozenset(after.calls.keys() - before.calls.keys()))
-
-        return self._remembered(key, work_out)
-
-    def _remembered(self, key: tuple, work_out: Callable[[], Footprint]) -> Footprint:
         found = self._footprints.get(key)
         if found is None:
-            found = self._footprints[key] = work_out()
-            # (room for every recv's footprint of a few input layouts)
-            while len(self._footprints) > 8 * (1 + min(self.recvs, RECVS_WORKED_OUT)):
+            found = self._footprints[key] = _footprint(self.steps, self.calls, inputs, params)
+            while len(self._footprints) > 8:
                 self._footprints.popitem(last=False)
-        else:
-            self._footprints.move_to_end(key)
         return found
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """What a run of a program will need, worked out on meta tensors before it runs."""
-
-    key: tuple  # the layouts (and parameters) it was worked out from
-    inputs: dict[int, torch.Tensor]  # slot -> meta tensor: the stored inputs it read
-    params: dict[int, Any]  # the run's parameters, tensors as meta tensors
-    peak: int  # bytes of new storage at the peak, of the calls it knows
-    work: float  # of the calls it knows
-    calls: dict[int, tuple[int, float]]  # call step index -> (new bytes, work), if known
-    # the calls known only from received values (not at the start of the run): each is
-    # checked just before it runs
-    received: frozenset[int] = frozenset()
 
 
 class CompiledCall:
@@ -669,17 +623,16 @@ def _param_key(p: Any) -> Any:
 
 
 def _footprint(
-    program: Program, key: tuple, inputs: dict, params: dict, received: dict[int, torch.Tensor]
-) -> Footprint:
-    """Run `program` on meta tensors, from its stored `inputs`, its `params` and the values
-    `received` so far (slot -> meta tensor)."""
+    steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
+) -> tuple:
+    """Run `steps` on meta tensors: the peak of new bytes, the work, each known call's work."""
     metas = {s: meta_like(t) for s, t in inputs.items()}
     meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
     new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
     users: dict[int, int] = {}  # meta storage -> slots naming it
     now = peak = 0
     work = 0.0
-    calls: dict[int, tuple[int, float]] = {}
+    op_work: dict[int, float] = {}
 
     def bind(slot: int, t: torch.Tensor | None) -> None:
         nonlocal now
@@ -697,7 +650,7 @@ def _footprint(
     for t in metas.values():
         key = t.untyped_storage()._cdata
         users[key] = users.get(key, 0) + 1
-    for i, step in enumerate(program.steps):
+    for i, step in enumerate(steps):
         kind = step[0]
         if kind == "call":
             _, name, args, kwargs, outs, writes, _report = step
@@ -706,34 +659,32 @@ def _footprint(
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
-                footprint = op_footprint(program.calls[i].op, resolved, kw)
+                footprint = op_footprint(calls[i].op, resolved, kw)
             if footprint is None:  # depends on a transfer or on data: check when it runs
                 for slot in [*outs, *(s for _, s in writes)]:
                     bind(slot, None)
-            else:
-                result, made, op_work = footprint
-                calls[i] = (sum(made.values()), op_work)
-                work += op_work
-                new_bytes.update(made)
-                now += sum(made.values())
-                peak = max(peak, now)
-                tensors = _result_tensors(result)
-                for slot, t in zip(outs, tensors):
-                    bind(slot, t)
-                for path, slot in writes:
-                    t = _at_path(resolved, kw, path)
-                    bind(slot, t if isinstance(t, torch.Tensor) else None)
-        elif kind == "recv":  # counted when it arrives, against the inbox
+                continue
+            result, made, op_work[i] = footprint
+            work += op_work[i]
+            new_bytes.update(made)
+            now += sum(made.values())
+            peak = max(peak, now)
+            tensors = _result_tensors(result)
+            for slot, t in zip(outs, tensors):
+                bind(slot, t)
+            for path, slot in writes:
+                t = _at_path(resolved, kw, path)
+                bind(slot, t if isinstance(t, torch.Tensor) else None)
+        elif kind == "recv":
             for slot in step[1]:
-                bind(slot, meta_like(received[slot]) if slot in received else None)
+                bind(slot, None)  # counted when it arrives, against the inbox
         elif kind == "free":
             bind(step[1], None)
         elif kind == "return" and step[1] in metas:  # the reply holds a copy
             t = metas[step[1]]
             now += t.numel() * t.element_size()
             peak = max(peak, now)
-    start = {s: meta_like(t) for s, t in inputs.items()}  # (the walk's own may have changed)
-    return Footprint(key, start, meta_params, peak, work, calls)
+    return peak, work, op_work
 
 
 def _meta_arg(a: Any, metas: dict, params: dict) -> Any:
@@ -781,7 +732,7 @@ class Run:
         self.s.store.put(vid, tensor)
         self.created.append(vid)
 
-    def execute(self, program: Program, footprint: Footprint) -> dict:
+    def execute(self, program: Program, op_work: dict[int, float]) -> dict:
         limits = self.w.limits
         check_memory = limits.max_client_memory is not None
         # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
@@ -789,22 +740,20 @@ class Run:
         # no workspace without it, and nn.LSTM's backward needs that workspace).
         # (on a serving thread it is on already: then no context, one call instead of three)
         with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
-            return self._execute(program, footprint, limits, check_memory)
+            return self._execute(program, op_work, limits, check_memory)
 
     def _execute(
-        self, program: Program, footprint: Footprint, limits: Limits, check_memory: bool
+        self, program: Program, op_work: dict[int, float], limits: Limits, check_memory: bool
     ) -> dict:
         returns, dynamic = [], []
         deadline = self.deadline
-        known = footprint  # grows as transfers arrive
-        received: dict[int, torch.Tensor] = {}  # slot -> meta tensor, of the values received
         for i, step in enumerate(program.steps):
             try:
                 if time.monotonic() > deadline:
                     raise TimeLimitExceeded(limits.max_request_seconds)
                 kind = step[0]
                 if kind == "call":
-                    report = self.call(program.calls[i], known.calls.get(i), i in known.received)
+                    report = self.call(program.calls[i], op_work.get(i))
                     if report is not None:
                         dynamic.append(report)
                     if check_memory:  # a sum of running counts: no walk over the store
@@ -813,8 +762,6 @@ class Run:
                     self.send(step[1], step[2])
                 elif kind == "recv":
                     self.recv(step[1], step[2])
-                    received.update((slot, meta_like(self.value(slot))) for slot in step[1])
-                    known = program.footprint_after(footprint, received) or known
                 elif kind == "free":
                     self.s.store.free(self.slots[step[1]])
                 elif kind == "return":
@@ -823,20 +770,12 @@ class Run:
                 return self.fail(program.steps, i, e)
         return {"returns": returns, "dynamic": dynamic}
 
-    def call(
-        self, call: CompiledCall, footprint: tuple[int, float] | None, check: bool
-    ) -> list | None:
-        """Run one call step. Its `footprint` (new bytes, work) is None when not known yet
-        (see `Program.footprint`); `check`: it was not checked with the run as a whole."""
+    def call(self, call: CompiledCall, work: float | None) -> list | None:
+        """Run one call step; `work` None: its footprint is not known yet (see `footprint`)."""
         name, outs, writes, report = call.name, call.outs, call.writes, call.report
         resolved, kw = call.arguments(self.value, self.params)
-        if footprint is None:  # it depends on data (or on many recvs): worked out now
-            footprint, check = call.footprint(resolved, kw), True
-        work = 0.0 if footprint is None else footprint[1]  # (None: no larger than its input)
-        if check and footprint is not None:
-            made = footprint[0]
-            self.w.limits.check_memory(self.s.memory() + made, name)
-            self.w.limits.check_work(work, name)
+        if work is None:  # its inputs came during the run: check its footprint now
+            work = self.check_footprint(call, resolved, kw)
         intraop.use_threads_for(work, call.threads_matter_from)
         result = call.run(self.s.rng, resolved, kw)
         check_view(result)
@@ -875,6 +814,17 @@ class Run:
             ]
             return [outs[0], kind, metas, []]
         return None
+
+    def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
+        """Check the call's new bytes and work against the limits; return its work."""
+        footprint = call.footprint(args, kwargs)
+        if footprint is None:
+            return 0.0  # data-dependent: its output is no larger than its input
+        made, work = footprint
+        limits = self.w.limits
+        limits.check_memory(self.s.memory() + made, call.name)
+        limits.check_work(work, call.name)
+        return work
 
     def send(self, slots: list[int], dst: str) -> None:
         """Send the values in `slots` to worker `dst`, all in one transfer message."""

@@ -17,7 +17,7 @@ from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import session, wire
+from gridgraph.exec import wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     Limits,
@@ -208,14 +208,7 @@ def test_an_in_place_write_to_a_view_counts_no_new_memory():
         assert x.sum().item() == 1 << 19
 
 
-@pytest.mark.parametrize("recvs_worked_out", [8, 0], ids=["worked-out-at-the-recv", "one-by-one"])
-def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused(
-    recvs_worked_out, monkeypatch
-):
-    # The calls on received values are known once the transfer arrives (the program worked
-    # out again), or, in a program with more recvs than that covers, one by one as they run:
-    # either way each is checked just before it runs.
-    monkeypatch.setattr(session, "RECVS_WORKED_OUT", recvs_worked_out)
+def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
     step = ["call", "aten::expand.default", [Slot(0), [1 << 20, 4]], {}, [1], [], False]
     contiguous = ["call", "aten::clone.default", [Slot(1)], {}, [2], [], False]
     with gg.local_grid(2, limits=Limits(max_client_memory=1 << 20)) as grid:

@@ -183,34 +183,6 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
         assert len(meta_runs) == 2  # a new layout: worked out anew
 
 
-def test_steps_after_a_transfer_are_worked_out_once_per_recv_not_call_by_call(monkeypatch):
-    # A replayed run receives the same layouts every time: its calls on received values are
-    # looked up once, at the recv, not each by its own arguments' layouts.
-    by_call = []
-    footprint = session.CompiledCall.footprint
-    monkeypatch.setattr(
-        session.CompiledCall, "footprint", lambda *a: by_call.append(1) or footprint(*a)
-    )
-    twice = [["recv", [0], "w1"], hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]),
-             hostile.call("aten::add.Tensor", [Slot(1), Slot(0)], [2]), ["return", 2]]  # fmt: skip
-    with gg.local_grid(2) as grid:
-        peer = Peer(grid)
-        x = torch.randn(16)
-        assert peer.request("w1", {"kind": "put", "values": [[1, x]]})["ok"]
-        for run in range(1, 4):
-            first = run == 1
-            slots = [1, 10 * run, 10 * run + 1]
-            on_w0 = hostile.run(twice, slots, run_id=run, plan=1, program=first, peers={"w1": "w1"})
-            send = [["send", [0], "w0"]]
-            on_w1 = hostile.run(send, [1], run_id=run, plan=2, program=first, peers={"w0": "w0"})
-            rid = peer.send("w0", on_w0)
-            peer.send("w1", on_w1)
-            reply = peer.reply(rid)
-            assert reply["ok"], reply
-            assert torch.equal(reply["returns"][0][1], x * x + x)
-    assert by_call == []
-
-
 def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
     state = session.Session("alice/s", "alice")
     key = (1, 11, "w1")  # run 1, value 11, from worker w1
