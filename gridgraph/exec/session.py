@@ -428,6 +428,8 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
         raise RequestError("a run needs 'run', 'plan' and 'slots'")
     if not all(type(v) is int for v in slots):
         raise RequestError("slots must be value ids")
+    if len(set(slots)) != len(slots):  # two slots over one value: the footprint, worked out
+        raise RequestError("slots must name distinct values")  # per slot, would not hold
     if not isinstance(params, list) or not all(
         isinstance(p, list) and len(p) == 2 and type(p[0]) is int for p in params
     ):

@@ -11,6 +11,7 @@ import logging
 import threading
 import tracemalloc
 
+import hostile
 import pytest
 import torch
 from hostile import run
@@ -225,6 +226,25 @@ def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
         reply = replies[rid]
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the expand only
+
+
+def test_a_run_whose_slots_name_one_value_twice_is_refused_before_anything_runs():
+    # The footprint is worked out per slot. Two slots over one value: a clone written through
+    # the second changes what the first holds, so the walk would see a 1x1 tensor where the
+    # run has a big one, and pass an mm that allocates far over the limit.
+    n = 4000
+    steps = [hostile.call("aten::clone.default", [Slot(2)], [1]),  # slot 1 is value 100 too
+             hostile.call("aten::t.default", [Slot(0)], [3]),
+             hostile.call("aten::mm.default", [Slot(0), Slot(3)], [4])]  # fmt: skip
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        put = {"kind": "put", "values": [[100, torch.ones(1, 1)], [5, torch.ones(n, 1)]]}
+        assert peer.request("w0", put)["ok"]
+        reply = peer.request("w0", hostile.run(steps, [100, 100, 5, 101, 102]))
+        assert not reply["ok"] and "distinct" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        got = peer.request("w0", hostile.run([["return", 0]], [100], plan=2))
+        assert got["ok"] and torch.equal(got["returns"][0][1], torch.ones(1, 1))
 
 
 def test_transfers_over_the_memory_limit_do_not_grow_a_sessions_inbox_past_it():
