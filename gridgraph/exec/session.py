@@ -619,8 +619,12 @@ def _filler(a: Any) -> Any:
 
 
 def _param_key(p: Any) -> Any:
+    """What of parameter `p` a footprint depends on: a tensor's layout (also in a list: a
+    long tensor's repr is summarised, so two of different shapes can print alike)."""
     if isinstance(p, torch.Tensor):
         return ("tensor", p.shape, p.stride(), p.dtype)
+    if isinstance(p, list):
+        return ("list", *[_param_key(x) for x in p])
     return repr(p)
 
 
@@ -629,7 +633,7 @@ def _footprint(
 ) -> tuple:
     """Run `steps` on meta tensors: the peak of new bytes, the work, each known call's work."""
     metas = {s: meta_like(t) for s, t in inputs.items()}
-    meta_params = {i: meta_like(p) if isinstance(p, torch.Tensor) else p for i, p in params.items()}
+    meta_params = {i: _to_meta(p) for i, p in params.items()}  # (tensors in a list too)
     new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
     users: dict[int, int] = {}  # meta storage -> slots naming it
     now = peak = 0

@@ -18,7 +18,7 @@ from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import wire
+from gridgraph.exec import session, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     Limits,
@@ -27,7 +27,7 @@ from gridgraph.exec.limits import (
     parse_size,
 )
 from gridgraph.exec.worker import worker_topic
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30
 
@@ -432,3 +432,33 @@ def test_requests_waiting_in_a_sessions_queue_hold_no_more_than_they_count():
         peer.send("w0", {"kind": "abort", "run": 7})
         _replies(peer, {blocked, *puts})
         assert grown <= 16_000  # the first only, which found the queue empty
+
+
+def test_a_parameter_listing_tensors_is_worked_out_on_meta_tensors_and_by_its_layouts(
+    monkeypatch,
+):
+    # Its footprint is worked out before the run on meta tensors, never on the real ones (a
+    # block_diag of many 1x1 tensors would allocate there, unchecked), and remembered by
+    # the layouts of the tensors it lists: by repr, lists of 32x32 and of 300x300 zeros
+    # looked alike (torch summarises both), so the small run's footprint passed the big.
+    devices = []
+    footprint = session.op_footprint
+
+    def spy(op, args, kwargs):
+        devices.extend(t.device.type for a in args if isinstance(a, list) for t in a)
+        return footprint(op, args, kwargs)
+
+    monkeypatch.setattr(session, "op_footprint", spy)
+    block_diag = [hostile.call("aten::block_diag.default", [Param(0)], [0]), ["return", 0]]
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        small = [torch.zeros(32, 32)] * 2
+        reply = peer.request("w0", hostile.run(block_diag, [7], params=[[0, small]]))
+        assert reply["ok"] and torch.equal(reply["returns"][0][1], torch.block_diag(*small))
+        assert devices and set(devices) == {"meta"}
+        ran = grid.local_workers[0].sessions["mallory/s"].ops_run
+        big = [torch.zeros(300, 300)] * 2  # 720 kB sent; its block_diag 1.4 MB, over the limit
+        again = hostile.run(block_diag, [8], run_id=2, params=[[0, big]], program=False)
+        reply = peer.request("w0", again)
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
