@@ -69,6 +69,7 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 # where the client and the workers are threads of one process, that hands it to another
 # thread and waits to get it back, several times per tensor.
 _NUMPY = {d: n for d in DTYPES.values() if (n := _numpy_dtype(d)) is not None}
+_NUMPY_MAX_DIMS = 32  # (numpy 1 takes at most 32 dimensions, numpy 2 64; torch more)
 _ENUMS = {
     str(v).removeprefix("torch."): v
     for v in (
@@ -92,6 +93,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         and not t.is_conj()
         and not t.is_neg()
         and t.is_contiguous()
+        and t.dim() <= _NUMPY_MAX_DIMS
     ):  # the usual case, read through numpy (see _NUMPY)
         return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
     dense = t.detach().resolve_conj().resolve_neg().contiguous()  # lazy x.conj(): its values
@@ -169,7 +171,7 @@ class _Decoder:
         self.regions.append((offset, offset + nbytes))
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        if dtype in _NUMPY:  # (see _NUMPY)
+        if dtype in _NUMPY and len(shape) <= _NUMPY_MAX_DIMS:  # (see _NUMPY)
             array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
             if dtype == torch.bool and array.view(np.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")

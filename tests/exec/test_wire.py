@@ -38,6 +38,7 @@ LAYOUTS = {
     "neg view": lambda: torch._neg_view(torch.randn(3, dtype=torch.complex64)),
     "bfloat16": lambda: torch.randn(5).bfloat16(),
     "bool": lambda: torch.tensor([True, False, True]),
+    "70 dimensions": lambda: torch.randn((1,) * 68 + (2, 3)),  # (more than numpy takes)
 }
 
 
