@@ -543,9 +543,9 @@ class Client:
         finally:
             with self._cv:
                 self._waiting.remove(needed)
-            for rid in rids.values():
-                self._outstanding.pop(rid, None)
-                self._replies.pop(rid, None)
+                for rid in rids.values():
+                    self._outstanding.pop(rid, None)
+                    self._replies.pop(rid, None)
 
     def _values_on(self, worker: str) -> list[str]:
         """Describe the live values stored on `worker`, for WorkerLost."""
@@ -561,13 +561,16 @@ class Client:
             msg = wire.decode(payload)
         except wire.WireError:
             return
-        if msg.get("kind") == "reply" and msg.get("re") in self._outstanding:
-            if sender != self._outstanding[msg["re"]][0]:
-                return  # only the worker the request went to may answer it
-            with self._cv:
-                self._replies[msg["re"]] = msg
-                if any(needed <= self._replies.keys() for needed in self._waiting):
-                    self._cv.notify_all()
+        rid = msg.get("re")
+        if msg.get("kind") != "reply" or type(rid) is not str:
+            return
+        with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
+            outstanding = self._outstanding.get(rid)
+            if outstanding is None or sender != outstanding[0]:
+                return  # not awaited, or not from the worker the request went to
+            self._replies[rid] = msg
+            if any(needed <= self._replies.keys() for needed in self._waiting):
+                self._cv.notify_all()
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gridgraph as gg
+from gridgraph.exec import wire
 
 
 def test_pointer_holds_metadata_only(grid):
@@ -317,3 +318,15 @@ def test_a_run_on_several_workers_wakes_its_caller_once(local_grid):
         gg.compute(c, d)
     assert len(wakes) == 5  # once per run
     assert torch.equal(c.get(), x * 2) and torch.equal(d.get(), y * 3)
+
+
+@pytest.mark.parametrize("re", [[1, 2], {"a": 1}, 7, None], ids=["list", "map", "int", "none"])
+def test_a_reply_naming_no_request_id_is_dropped_quietly(local_grid, re):
+    # Any peer on the bus can publish to a client's topic: a "reply" whose request id is not
+    # a string (a list does not even hash) is dropped, and the client goes on working.
+    x = torch.randn(4)
+    p = x.send(local_grid.workers[0])
+    mallory = local_grid.client.transport._bus.endpoint("mallory")
+    forged = wire.encode({"kind": "reply", "re": re, "ok": True})
+    mallory.publish(local_grid.client.topic, forged)  # raised in the client's handler before
+    assert torch.equal((p * 2).get(), x * 2)
