@@ -191,7 +191,8 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int], float] | None:
     """Run `op` on meta arguments: (meta result, new storages, work), or None.
 
-    New storages are those of the result that no argument shares, as {storage key: bytes}.
+    New storages are those of the result that no argument shares, as {storage key: bytes},
+    and the growth of an argument's storage that the op resized in place (`resize_`).
 
     None when the op has no meta kernel (data-dependent ops such as nonzero, whose output
     is no larger than their input) or the arguments do not fit (the real call will say so).
@@ -199,6 +200,8 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
     inputs: list[torch.Tensor] = []
     _tensors(args, inputs)
     _tensors(list(kwargs.values()), inputs)
+    storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in inputs}
+    sizes = {key: storage.nbytes() for key, storage in storages.items()}
     try:
         with torch.no_grad():
             result = op(*args, **kwargs)
@@ -212,6 +215,9 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
         for t in outputs
         if t.untyped_storage()._cdata not in shared
     }
+    for key, storage in storages.items():  # grown in place: the growth is new memory
+        if storage.nbytes() > sizes[key]:
+            new[key] = storage.nbytes() - sizes[key]
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name

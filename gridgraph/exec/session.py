@@ -672,7 +672,8 @@ def _footprint(
                 continue
             result, made, op_work[i] = footprint
             work += op_work[i]
-            new_bytes.update(made)
+            for key, nbytes in made.items():  # (a storage resized in place grows)
+                new_bytes[key] = new_bytes.get(key, 0) + nbytes
             now += sum(made.values())
             peak = max(peak, now)
             tensors = _result_tensors(result)

@@ -462,3 +462,24 @@ def test_a_parameter_listing_tensors_is_worked_out_on_meta_tensors_and_by_its_la
         reply = peer.request("w0", again)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
+
+
+def test_a_resize_that_would_grow_past_the_limit_is_refused_before_anything_runs():
+    # resize_ grows its tensor's storage in place: no new storage, so its growth was counted
+    # as nothing, and 400 MB were allocated against a 1 MiB limit before the check after
+    # the call noticed.
+    grow = [hostile.call("aten::clone.default", [Slot(0)], [1]),
+            hostile.call("aten::resize_.default", [Slot(1), [100_000_000]], [2])]  # fmt: skip
+    small = [hostile.call("aten::clone.default", [Slot(0)], [1]),
+             hostile.call("aten::resize_.default", [Slot(1), [1000]], [2]),
+             ["return", 2]]  # fmt: skip
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]})["ok"]
+        reply = peer.request("w0", hostile.run(grow, [1, 2, 3]))
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        reply = peer.request("w0", hostile.run(small, [1, 4, 5], plan=2))
+        want = torch.ones(1).clone().resize_(1000)
+        want[1:] = 0  # (memory a resize grows into is zeroed on a worker)
+        assert reply["ok"] and torch.equal(reply["returns"][0][1], want), reply
