@@ -226,6 +226,26 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
     return result, new, work
 
 
+def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
+    """An upper bound of the new bytes of an op whose output size depends on its data (one
+    `op_footprint` cannot tell), read from its real arguments before it runs.
+
+    Most such ops (unique, masked_select) make no more than their input; these can make far
+    more: bincount (its largest value sets its length), repeat_interleave (the sum of its
+    repeats) and nonzero (an index per dimension for each element)."""
+    name, overload = op._schema.name, op._schema.overload_name
+    if name == "aten::bincount":
+        values = args[0]
+        minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        longest = int(values.max()) + 1 if values.numel() else 0
+        return 8 * max(longest, int(minlength))
+    if name == "aten::repeat_interleave" and overload == "Tensor":
+        return 8 * max(0, int(args[0].double().sum()))
+    if name == "aten::nonzero":
+        return 8 * args[0].numel() * max(1, args[0].dim())
+    return 0
+
+
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",
              "aten::linear", "aten::addbmm", "aten::einsum"}  # fmt: skip
 

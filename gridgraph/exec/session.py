@@ -68,6 +68,7 @@ from gridgraph.exec.limits import (
     LimitExceeded,
     Limits,
     TimeLimitExceeded,
+    data_dependent_bytes,
     meta_like,
     op_footprint,
 )
@@ -825,10 +826,12 @@ class Run:
     def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
         """Check the call's new bytes and work against the limits; return its work."""
         footprint = call.footprint(args, kwargs)
-        if footprint is None:
-            return 0.0  # data-dependent: its output is no larger than its input
-        made, work = footprint
         limits = self.w.limits
+        if footprint is None:  # its output size depends on its data: bounded from that
+            limits.check_memory(self.s.memory() + data_dependent_bytes(call.op, args, kwargs),
+                                call.name)  # fmt: skip
+            return 0.0
+        made, work = footprint
         limits.check_memory(self.s.memory() + made, call.name)
         limits.check_work(work, call.name)
         return work

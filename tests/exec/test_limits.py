@@ -483,3 +483,32 @@ def test_a_resize_that_would_grow_past_the_limit_is_refused_before_anything_runs
         want = torch.ones(1).clone().resize_(1000)
         want[1:] = 0  # (memory a resize grows into is zeroed on a worker)
         assert reply["ok"] and torch.equal(reply["returns"][0][1], want), reply
+
+
+HUGE_DATA_DEPENDENT = {
+    # op, its input (under the limit), what the op makes of it in plain torch at small size
+    "bincount": ("aten::bincount.default", torch.tensor([10**9]), torch.tensor([1, 1, 3])),
+    "repeat_interleave": (
+        "aten::repeat_interleave.Tensor",
+        torch.tensor([10**9]),
+        torch.tensor([2, 0, 3]),
+    ),
+    "nonzero": ("aten::nonzero.default", torch.ones((8,) * 6, dtype=torch.bool), torch.eye(3)),
+}
+
+
+@pytest.mark.parametrize("case", HUGE_DATA_DEPENDENT.values(), ids=HUGE_DATA_DEPENDENT.keys())
+def test_an_op_whose_output_its_data_sizes_is_refused_before_it_runs_past_the_limit(case):
+    # No meta kernel can say how much these make; they were taken to make no more than their
+    # input. bincount of one number allocated 7.5 GiB against a 1 MiB limit, checked only after.
+    op, huge, small = case
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, huge], [2, small]]})["ok"]
+        reply = peer.request("w0", hostile.run([hostile.call(op, [Slot(0)], [1])], [1, 3]))
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        steps = [hostile.call(op, [Slot(0)], [1]), ["return", 1]]
+        reply = peer.request("w0", hostile.run(steps, [2, 4], plan=2))
+        want = getattr(torch.ops.aten, op.split("::")[1].split(".")[0])(small)
+        assert reply["ok"] and torch.equal(reply["returns"][0][1], want), reply
