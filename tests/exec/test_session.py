@@ -80,7 +80,7 @@ def test_a_cached_program_failing_midway_undoes_what_it_stored_and_names_the_op(
 
 
 def test_the_memory_limit_holds_at_every_step_of_a_cached_program():
-    # nonzero has no meta kernel, so its output is counted only once it exists
+    # nonzero has no meta kernel: its output is bounded from its input's data as it runs
     program = [[
         ["call", "aten::nonzero.default", [Slot(0)], {}, [1], [], False],
         ["call", "aten::nonzero.default", [Slot(0)], {}, [2], [], False],
@@ -98,7 +98,7 @@ def test_the_memory_limit_holds_at_every_step_of_a_cached_program():
         reply = peer.request("w0", _run(1, 2, [5, 6, 7, 8], [], None))  # the cached program
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
         assert reply["error"]["op"] == "aten::nonzero.default"
-        assert state.ops_run == 3 + 3  # it stopped at the step that went over
+        assert state.ops_run == 3 + 2  # refused at the step that would go over
         assert state.store.stored_bytes == held + x.nbytes  # the run's results undone
 
 
