@@ -518,8 +518,10 @@ class Program:
         A call step missing from the dict depends on a transfer or on data: it is checked
         when it runs (`Run.call`)."""
         inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
+        first: dict[int, int] = {}  # an input's tensor object -> the first input slot holding it
         key = (
             tuple((s, _meta_key(t)) for s, t in inputs.items()),
+            tuple(first.setdefault(id(t), s) for s, t in inputs.items()),  # (see _footprint)
             tuple(sorted((i, _param_key(p)) for i, p in params.items())),
         )
         found = self._footprints.get(key)
@@ -633,7 +635,11 @@ def _footprint(
     steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
 ) -> tuple:
     """Run `steps` on meta tensors: the peak of new bytes, the work, each known call's work."""
-    metas = {s: meta_like(t) for s, t in inputs.items()}
+    # Inputs that are one tensor object (an in-place op's result is stored under its own
+    # value id and its input's) get one meta tensor: a layout change through one (as_strided_)
+    # shows through the other, as it will when the program runs.
+    same: dict[int, torch.Tensor] = {}
+    metas = {s: same.setdefault(id(t), meta_like(t)) for s, t in inputs.items()}
     meta_params = {i: _to_meta(p) for i, p in params.items()}  # (tensors in a list too)
     new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
     users: dict[int, int] = {}  # meta storage -> slots naming it

@@ -512,3 +512,29 @@ def test_an_op_whose_output_its_data_sizes_is_refused_before_it_runs_past_the_li
         reply = peer.request("w0", hostile.run(steps, [2, 4], plan=2))
         want = getattr(torch.ops.aten, op.split("::")[1].split(".")[0])(small)
         assert reply["ok"] and torch.equal(reply["returns"][0][1], want), reply
+
+
+def test_a_layout_change_through_one_of_two_ids_of_one_tensor_is_seen_by_the_other():
+    # add_ returns its input: its result is stored under a value id of its own and is the
+    # same tensor object. An as_strided_ through one id changes the other's layout; the walk
+    # gave each id a meta tensor of its own, so a clone through the other passed as 4 bytes
+    # and copied N x N. It must also not reuse the footprint of a run where the two ids held
+    # two tensors of the same layouts.
+    n = 2000
+    alias = [hostile.call("aten::clone.default", [Slot(0)], [1]),
+             hostile.call("aten::add_.Tensor", [Slot(1), 1.0], [2])]  # fmt: skip
+    grow = [hostile.call("aten::as_strided_.default", [Slot(0), [n, n], [0, 0]], [2]),
+            hostile.call("aten::clone.default", [Slot(1)], [3])]  # fmt: skip
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        put = {"kind": "put", "values": [[1, torch.ones(1, 1)], [20, torch.ones(1, 1)],
+                                         [21, torch.ones(1, 1)]]}  # fmt: skip
+        assert peer.request("w0", put)["ok"]
+        # two tensors, same layouts: fine, and its footprint is remembered
+        assert peer.request("w0", hostile.run(grow, [20, 21, 22, 23], plan=2, run_id=1))["ok"]
+        assert peer.request("w0", hostile.run(alias, [1, 10, 11], run_id=2))["ok"]
+        ran = grid.local_workers[0].sessions["mallory/s"].ops_run
+        again = hostile.run(grow, [10, 11, 12, 13], plan=2, run_id=3, program=False)
+        reply = peer.request("w0", again)
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
