@@ -32,10 +32,13 @@ a template with the slot and parameter positions to fill), so a replay of a cach
 looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
 (`Program.footprint`), so a run that would break the memory or time limit is refused before
-any step runs. Steps whose inputs only arrive during the run (a `recv`) are checked the same
-way just before they run, from footprints remembered per argument layout (a replayed step
-receives the same layouts every time). Both are cached; neither is skipped. Every result
-is bounds-checked, the memory limit is checked after every call (from running byte counts)
+any step runs (a run's slots name distinct values, and inputs that are one tensor object
+share one meta tensor, so what the walk sees is what the run will hold). Steps whose inputs
+only arrive during the run (a `recv`) are checked the same way just before they run, from
+footprints remembered per argument layout (a replayed step receives the same layouts every
+time); an op whose output size its data sets (bincount, nonzero) is checked just before it
+runs, from a bound read off its arguments (`limits.data_dependent_bytes`). Every result is
+bounds-checked, the memory limit is checked after every call (from running byte counts)
 and the time limit before every step. A run that fails undoes what it stored. The work the
 footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
 
