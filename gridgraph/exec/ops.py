@@ -100,6 +100,11 @@ def resolve(name: str) -> torch._ops.OpOverload:
 _RESIZE = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)
 
 
+def resizes(op: torch._ops.OpOverload) -> bool:
+    """Whether `op` may grow its first argument's storage in place."""
+    return op in _RESIZE
+
+
 @cache
 def _uninitialized(op: torch._ops.OpOverload) -> bool:
     return op._schema.name.removeprefix("aten::") in UNINITIALIZED

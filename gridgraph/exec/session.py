@@ -75,7 +75,7 @@ from gridgraph.exec.limits import (
     meta_like,
     op_footprint,
 )
-from gridgraph.exec.ops import OpRefused, RandomState, check_view, resolve, runner
+from gridgraph.exec.ops import OpRefused, RandomState, check_view, resizes, resolve, runner
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs
@@ -544,14 +544,15 @@ class CompiledCall:
     checked to be in range.
     """
 
-    __slots__ = ("name", "op", "run", "args", "kwargs", "fills", "outs", "writes", "report",
-                 "n_returns", "threads_matter_from", "_footprints")  # fmt: skip
+    __slots__ = ("name", "op", "run", "resizes", "args", "kwargs", "fills", "outs", "writes",
+                 "report", "n_returns", "threads_matter_from", "_footprints")  # fmt: skip
 
     def __init__(self, step: list) -> None:
         _, name, args, kwargs, outs, writes, report = step
         self.name = name
         self.op = resolve(name)
         self.run = runner(self.op)  # (session rng, args, kwargs) -> result; see ops.py
+        self.resizes = resizes(self.op)  # it may grow its first argument's storage in place
         self.threads_matter_from = intraop.threads_matter_from(self.op)
         self.outs, self.writes, self.report = outs, writes, report
         self.n_returns = len(outs) - len(writes)
@@ -795,6 +796,8 @@ class Run:
             work = self.check_footprint(call, resolved, kw)
         intraop.use_threads_for(work, call.threads_matter_from)
         result = call.run(self.s.rng, resolved, kw)
+        if call.resizes:  # counted at once: what follows may fail, the growth stays
+            self.s.store.recount(resolved[0])
         check_view(result)
         self.s.ops_run += 1
         if isinstance(result, torch.Tensor):

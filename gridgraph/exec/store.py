@@ -28,11 +28,19 @@ class ObjectStore:
         entry = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
         if entry[1] == 0:
             self.stored_bytes += entry[0]
-        elif entry[0] != storage.nbytes():  # resized in place since it was counted
-            self.stored_bytes += storage.nbytes() - entry[0]
-            entry[0] = storage.nbytes()
+        else:
+            self.recount(tensor)
         entry[1] += 1
         self._objects[vid] = tensor
+
+    def recount(self, tensor: torch.Tensor) -> None:
+        """Count `tensor`'s storage at its size now, if a value here holds it: a resize_
+        grows a storage in place, and the growth is held whether or not its run goes on."""
+        storage = tensor.untyped_storage()
+        entry = self._storages.get(storage._cdata)
+        if entry is not None and entry[0] != storage.nbytes():
+            self.stored_bytes += storage.nbytes() - entry[0]
+            entry[0] = storage.nbytes()
 
     def get(self, vid: int) -> torch.Tensor:
         try:

@@ -538,3 +538,24 @@ def test_a_layout_change_through_one_of_two_ids_of_one_tensor_is_seen_by_the_oth
         reply = peer.request("w0", again)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
+
+
+def test_storage_a_resize_grows_is_counted_even_when_its_run_then_fails():
+    # A resize_ whose step names no output makes its run fail after the op ran ("returned 1
+    # tensors, expected 0"). The storage it grew stays with the stored tensor: it was never
+    # counted, so a session could grow stored tensors without end under a 1 MiB limit.
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        state = None
+        for k in range(3):
+            assert peer.request("w0", {"kind": "put", "values": [[10 + k, torch.ones(1)]]})["ok"]
+            clone = [hostile.call("aten::clone.default", [Slot(0)], [1])]  # resizable storage
+            assert peer.request("w0", hostile.run(clone, [10 + k, 20 + k], plan=10 + k))["ok"]
+            grow = [hostile.call("aten::resize_.default", [Slot(0), [100_000]], [])]  # 400 kB
+            reply = peer.request("w0", hostile.run(grow, [20 + k], plan=20 + k, run_id=k))
+            assert not reply["ok"], reply
+            state = grid.local_workers[0].sessions["mallory/s"]
+            held = sum(state.store.get(20 + i).untyped_storage().nbytes() for i in range(k + 1))
+            assert state.store.stored_bytes >= held
+        assert "memory limit" in reply["error"]["message"]  # the third: refused before it ran
+        assert state.store.get(22).untyped_storage().nbytes() == 4
