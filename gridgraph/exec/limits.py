@@ -230,20 +230,48 @@ def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
     """An upper bound of the new bytes of an op whose output size depends on its data (one
     `op_footprint` cannot tell), read from its real arguments before it runs.
 
-    Most such ops (unique, masked_select) make no more than their input; these can make far
-    more: bincount (its largest value sets its length), repeat_interleave (the sum of its
-    repeats) and nonzero (an index per dimension for each element)."""
-    name, overload = op._schema.name, op._schema.overload_name
+    bincount (its largest value sets its length), repeat_interleave (its repeats), nonzero
+    (an index per dimension for each element), histogram (its bin count) and ctc_loss (its
+    steps times its targets) have bounds of their own. Any other (unique, masked_select, a
+    boolean index) makes at most 32 bytes (a complex value, an index and a count) for each
+    element of its largest argument, broadcast: elements, not storage bytes, as an expanded
+    argument has many more."""
+    schema = op._schema
+
+    def arg(name: str, default: Any = None) -> Any:
+        for i, a in enumerate(schema.arguments):
+            if a.name == name:
+                return args[i] if i < len(args) else kwargs.get(name, default)
+        return default
+
+    name = schema.name
     if name == "aten::bincount":
-        values = args[0]
-        minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+        values = arg("self")
         longest = int(values.max()) + 1 if values.numel() else 0
-        return 8 * max(longest, int(minlength))
-    if name == "aten::repeat_interleave" and overload == "Tensor":
-        return 8 * max(0, int(args[0].double().sum()))
+        return 8 * max(longest, int(arg("minlength", 0) or 0))
+    if name == "aten::repeat_interleave":
+        repeats = arg("repeats")  # (and the op's own running sum of them)
+        most = max(0, int(repeats.max())) if repeats.numel() else 0
+        return 8 * repeats.numel() * (1 + most)
     if name == "aten::nonzero":
-        return 8 * args[0].numel() * max(1, args[0].dim())
-    return 0
+        t = arg("self")
+        return 8 * t.numel() * max(1, t.dim())
+    if name == "aten::histogram" and isinstance(arg("bins"), int):
+        return 16 * (arg("bins") + 1)
+    tensors: list[torch.Tensor] = []
+    _tensors(args, tensors)
+    _tensors(list(kwargs.values()), tensors)
+    try:
+        elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    except RuntimeError:  # (arguments that do not broadcast together)
+        elements = max((t.numel() for t in tensors), default=0)
+    if name == "aten::_ctc_loss":
+        log_probs, targets = arg("log_probs"), arg("targets")
+        steps = log_probs.shape[0] if log_probs.dim() else 1
+        batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+        longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+        return 16 * steps * batch * (2 * longest + 1) + 32 * elements
+    return 32 * elements
 
 
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",

@@ -559,3 +559,61 @@ def test_storage_a_resize_grows_is_counted_even_when_its_run_then_fails():
             assert state.store.stored_bytes >= held
         assert "memory limit" in reply["error"]["message"]  # the third: refused before it ran
         assert state.store.get(22).untyped_storage().nbytes() == 4
+
+
+def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> None:
+    peer = Peer(grid)
+    reply = peer.request("w0", hostile.run(steps, slots, plan=len(slots)))
+    assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+    assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran_before
+
+
+def _returns(grid, steps: list, slots: list) -> list:
+    reply = Peer(grid).request("w0", hostile.run(steps, slots, plan=100 + len(slots)))
+    assert reply["ok"], reply
+    return [t for _, t in reply["returns"]]
+
+
+# No meta kernel says how much these make. Each was taken to make no more than its input's
+# bytes; broadcasting, an expanded input or a bin count make far more. Now each is bounded
+# from its arguments (their elements, or the bin count) and refused before it runs.
+
+
+def test_a_masked_select_that_broadcasts_past_the_limit_is_refused_before_it_runs():
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        x, mask = torch.ones(6000, 1), torch.ones(1, 6000, dtype=torch.bool)  # 36M elements
+        small_x, small_mask = torch.arange(6.0).reshape(3, 2), torch.tensor([True, False])
+        values = [[1, x], [2, mask], [3, small_x], [4, small_mask]]
+        assert Peer(grid).request("w0", {"kind": "put", "values": values})["ok"]
+        select = [hostile.call("aten::masked_select.default", [Slot(0), Slot(1)], [2])]
+        _refused_before_it_runs(grid, select, [1, 2, 10], 0)
+        got = _returns(grid, [*select, ["return", 2]], [3, 4, 11])
+        assert torch.equal(got[0], torch.masked_select(small_x, small_mask))
+
+
+def test_a_unique_of_an_expanded_tensor_past_the_limit_is_refused_before_it_runs():
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        small = torch.tensor([3, 1, 3, 2])
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, torch.ones(1)],
+                                                                   [2, small]]})["ok"]  # fmt: skip
+        expand = hostile.call("aten::expand.default", [Slot(0), [20_000_000]], [1])
+        unique = hostile.call("aten::_unique2.default", [Slot(1), True, True, True], [2, 3, 4])
+        _refused_before_it_runs(grid, [expand, unique], [1, 10, 11, 12, 13], 1)  # (the expand)
+        unique = hostile.call("aten::_unique2.default", [Slot(0), True, True, True], [1, 2, 3])
+        got = _returns(grid, [unique, ["return", 1], ["return", 2], ["return", 3]],
+                       [2, 20, 21, 22])  # fmt: skip
+        want = torch.ops.aten._unique2.default(small, True, True, True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_histogram_of_more_bins_than_the_limit_holds_is_refused_before_it_runs():
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        x = torch.tensor([0.0, 1.0, 1.0, 3.0])
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, x]]})["ok"]
+        many = [hostile.call("aten::histogram.bin_ct", [Slot(0), 50_000_000], [1, 2])]
+        _refused_before_it_runs(grid, many, [1, 10, 11], 0)
+        few = [hostile.call("aten::histogram.bin_ct", [Slot(0), 4], [1, 2]), ["return", 1],
+               ["return", 2]]  # fmt: skip
+        got = _returns(grid, few, [1, 20, 21])
+        want = torch.ops.aten.histogram.bin_ct(x, 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
