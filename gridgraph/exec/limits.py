@@ -226,8 +226,8 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
     return result, new, work
 
 
-def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
-    """An upper bound of the new bytes of an op whose output size depends on its data (one
+def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, float]:
+    """(new bytes, work) at most, of an op whose output size depends on its data (one
     `op_footprint` cannot tell), read from its real arguments before it runs.
 
     bincount (its largest value sets its length), repeat_interleave (its repeats), nonzero
@@ -235,7 +235,7 @@ def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
     steps times its targets) have bounds of their own. Any other (unique, masked_select, a
     boolean index) makes at most 32 bytes (a complex value, an index and a count) for each
     element of its largest argument, broadcast: elements, not storage bytes, as an expanded
-    argument has many more."""
+    argument has many more. The work is an element of input or output each."""
     schema = op._schema
 
     def arg(name: str, default: Any = None) -> Any:
@@ -244,7 +244,18 @@ def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
                 return args[i] if i < len(args) else kwargs.get(name, default)
         return default
 
-    name = schema.name
+    tensors: list[torch.Tensor] = []
+    _tensors(args, tensors)
+    _tensors(list(kwargs.values()), tensors)
+    try:
+        elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
+    except RuntimeError:  # (arguments that do not broadcast together)
+        elements = max((t.numel() for t in tensors), default=0)
+    made = _data_dependent_bytes(schema.name, arg, elements)
+    return made, float(max(elements, made // 8))
+
+
+def _data_dependent_bytes(name: str, arg: Any, elements: int) -> int:
     if name == "aten::bincount":
         values = arg("self")
         longest = int(values.max()) + 1 if values.numel() else 0
@@ -258,13 +269,6 @@ def data_dependent_bytes(op: Any, args: list, kwargs: dict) -> int:
         return 8 * t.numel() * max(1, t.dim())
     if name == "aten::histogram" and isinstance(arg("bins"), int):
         return 16 * (arg("bins") + 1)
-    tensors: list[torch.Tensor] = []
-    _tensors(args, tensors)
-    _tensors(list(kwargs.values()), tensors)
-    try:
-        elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
-    except RuntimeError:  # (arguments that do not broadcast together)
-        elements = max((t.numel() for t in tensors), default=0)
     if name == "aten::_ctc_loss":
         log_probs, targets = arg("log_probs"), arg("targets")
         steps = log_probs.shape[0] if log_probs.dim() else 1

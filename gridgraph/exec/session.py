@@ -37,7 +37,7 @@ share one meta tensor, so what the walk sees is what the run will hold). Steps w
 only arrive during the run (a `recv`) are checked the same way just before they run, from
 footprints remembered per argument layout (a replayed step receives the same layouts every
 time); an op whose output size its data sets (bincount, nonzero) is checked just before it
-runs, from a bound read off its arguments (`limits.data_dependent_bytes`). Every result is
+runs, from a bound read off its arguments (`limits.data_dependent_footprint`). Every result is
 bounds-checked, the memory limit is checked after every call (from running byte counts)
 and the time limit before every step. A run that fails undoes what it stored. The work the
 footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
@@ -71,7 +71,7 @@ from gridgraph.exec.limits import (
     LimitExceeded,
     Limits,
     TimeLimitExceeded,
-    data_dependent_bytes,
+    data_dependent_footprint,
     meta_like,
     op_footprint,
 )
@@ -838,12 +838,10 @@ class Run:
     def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
         """Check the call's new bytes and work against the limits; return its work."""
         footprint = call.footprint(args, kwargs)
-        limits = self.w.limits
         if footprint is None:  # its output size depends on its data: bounded from that
-            limits.check_memory(self.s.memory() + data_dependent_bytes(call.op, args, kwargs),
-                                call.name)  # fmt: skip
-            return 0.0
+            footprint = data_dependent_footprint(call.op, args, kwargs)
         made, work = footprint
+        limits = self.w.limits
         limits.check_memory(self.s.memory() + made, call.name)
         limits.check_work(work, call.name)
         return work

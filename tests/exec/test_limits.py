@@ -617,3 +617,17 @@ def test_a_histogram_of_more_bins_than_the_limit_holds_is_refused_before_it_runs
         got = _returns(grid, few, [1, 20, 21])
         want = torch.ops.aten.histogram.bin_ct(x, 4)
         assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_an_op_without_a_meta_kernel_over_the_time_limit_is_refused_before_it_runs():
+    # Its work is bounded from its arguments' elements too, not only its memory: a
+    # masked_select of a 200,000 x 1 tensor by a 1 x 200,000 mask reads 4 x 10^10 elements
+    # (its work was taken as nothing).
+    with gg.local_grid(1, limits=Limits(max_client_memory=None, max_request_seconds=1)) as grid:
+        n = 200_000
+        x, mask = torch.ones(n, 1), torch.ones(1, n, dtype=torch.bool)
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, x], [2, mask]]})["ok"]
+        select = hostile.call("aten::masked_select.default", [Slot(0), Slot(1)], [2])
+        reply = Peer(grid).request("w0", hostile.run([select], [1, 2, 10]))
+        assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
