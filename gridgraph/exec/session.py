@@ -683,8 +683,9 @@ def _footprint(
                 continue
             result, made, op_work[i] = footprint
             work += op_work[i]
-            for key, nbytes in made.items():  # (a storage resized in place grows)
-                new_bytes[key] = new_bytes.get(key, 0) + nbytes
+            for key, nbytes in made.items():
+                if key not in users:  # (growth of a storage held already, by resize_, stays
+                    new_bytes[key] = nbytes  # counted: values outside the run may hold it)
             now += sum(made.values())
             peak = max(peak, now)
             tensors = _result_tensors(result)

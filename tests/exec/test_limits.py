@@ -631,3 +631,23 @@ def test_an_op_without_a_meta_kernel_over_the_time_limit_is_refused_before_it_ru
         reply = Peer(grid).request("w0", hostile.run([select], [1, 2, 10]))
         assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+
+
+def test_growth_of_a_storage_held_outside_the_run_stays_counted_when_its_slots_are_freed():
+    # Two stored values over one storage (a clone and its alias); a run resizes one, frees
+    # both of its slots and then clones 920 kB. The walk took the growth back at the frees,
+    # but the value outside the run keeps the storage grown: 1.8 MiB in all, over the limit.
+    n = 230_000
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        peer = Peer(grid)
+        put = {"kind": "put", "values": [[1, torch.ones(1)], [9, torch.ones(1)]]}
+        assert peer.request("w0", put)["ok"]
+        share = [hostile.call("aten::clone.default", [Slot(0)], [1]),
+                 hostile.call("aten::alias.default", [Slot(1)], [2])]  # fmt: skip
+        assert peer.request("w0", hostile.run(share, [1, 2, 3]))["ok"]
+        steps = [hostile.call("aten::resize_.default", [Slot(0), [n]], [1]), ["free", 0],
+                 ["free", 1], hostile.call("aten::expand.default", [Slot(2), [n]], [3]),
+                 hostile.call("aten::clone.default", [Slot(3)], [4])]  # fmt: skip
+        reply = peer.request("w0", hostile.run(steps, [3, 4, 9, 5, 6], plan=2, run_id=2))
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 2  # (the first run's)
