@@ -684,7 +684,7 @@ def _footprint(
             result, made, op_work[i] = footprint
             work += op_work[i]
             for key, nbytes in made.items():
-                if key not in users:  # (growth of a storage held already, by resize_, stays
+                if not users.get(key):  # (growth of a storage held already, by resize_, stays
                     new_bytes[key] = nbytes  # counted: values outside the run may hold it)
             now += sum(made.values())
             peak = max(peak, now)

@@ -651,3 +651,20 @@ def test_growth_of_a_storage_held_outside_the_run_stays_counted_when_its_slots_a
         reply = peer.request("w0", hostile.run(steps, [3, 4, 9, 5, 6], plan=2, run_id=2))
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 2  # (the first run's)
+
+
+def test_a_long_chain_of_ops_is_checked_at_what_it_holds_at_once_not_in_all():
+    # Each step's intermediate is freed by the next: 200 of 1 MB are 200 MB in all, but 2 MB
+    # at once. (The walk's storage keys are meta storages' addresses, which freed ones give
+    # back; one reused key was once taken for a storage held already, never freed.)
+    x = torch.randn(1 << 18)  # 1 MiB
+    with gg.local_grid(1, limits=Limits(max_client_memory=8 << 20)) as grid:
+        p = x.send(grid.workers[0])
+        with gg.trace():
+            y = p
+            for _ in range(100):
+                y = torch.sin(y) * 1.0001
+        want = x
+        for _ in range(100):
+            want = torch.sin(want) * 1.0001
+        assert torch.equal(y.get(), want)
