@@ -194,8 +194,9 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
     New storages are those of the result that no argument shares, as {storage key: bytes},
     and the growth of an argument's storage that the op resized in place (`resize_`).
 
-    None when the op has no meta kernel (data-dependent ops such as nonzero, whose output
-    is no larger than their input) or the arguments do not fit (the real call will say so).
+    None when the op has no meta kernel (data-dependent ops such as nonzero: bounded from
+    their real arguments by `data_dependent_footprint`) or the arguments do not fit (the
+    real call will say so).
     """
     inputs: list[torch.Tensor] = []
     _tensors(args, inputs)

@@ -642,8 +642,12 @@ def _footprint(
     # Inputs that are one tensor object (an in-place op's result is stored under its own
     # value id and its input's) get one meta tensor: a layout change through one (as_strided_)
     # shows through the other, as it will when the program runs.
-    same: dict[int, torch.Tensor] = {}
-    metas = {s: same.setdefault(id(t), meta_like(t)) for s, t in inputs.items()}
+    same: dict[int, torch.Tensor] = {}  # id of an input's tensor object -> its meta tensor
+    metas = {}
+    for s, t in inputs.items():
+        if id(t) not in same:
+            same[id(t)] = meta_like(t)
+        metas[s] = same[id(t)]
     meta_params = {i: _to_meta(p) for i, p in params.items()}  # (tensors in a list too)
     new_bytes: dict[int, int] = {}  # meta storage -> bytes, for storages this program makes
     users: dict[int, int] = {}  # meta storage -> slots naming it
