@@ -83,6 +83,81 @@ def test_ops_outside_the_allowlist_are_refused(arena, attack):
     assert torch.equal(arena.attacker_get(1)["returns"][0][1], torch.arange(4.0))
 
 
+# Embedding kernels index rows through raw pointers with integer tensors a client sends:
+# unchecked, a row past the table wrote past the heap (glibc aborted the worker), and an
+# expanded index tensor was read as if contiguous, past its 8-byte storage (the values read,
+# heap addresses, came back in the error). Each is now refused before the kernel runs.
+LONG = torch.long
+EMBEDDING_ATTACKS = {
+    "embedding_dense_backward, a row before the table (heap write, abort)": (
+        [torch.ones(1, 3), torch.tensor([-1])],
+        call("aten::embedding_dense_backward", [Slot(0), Slot(1), 10, -1, True], [2]),
+    ),
+    "embedding_dense_backward, a row past the table": (
+        [torch.ones(1, 3), torch.tensor([1 << 40])],
+        call("aten::embedding_dense_backward", [Slot(0), Slot(1), 10, -1, True], [2]),
+    ),
+    "_embedding_bag_backward, a row past the table (segfault)": (
+        [torch.ones(1, 3), torch.tensor([100, 0]), torch.tensor([0]),
+         torch.zeros(2, dtype=LONG), torch.tensor([2]), torch.zeros(1, dtype=LONG)],
+        call("aten::_embedding_bag_backward", [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4),
+                                               Slot(5), 10, True, 0, False, None], [6]),
+    ),
+    "_embedding_bag_per_sample_weights_backward, a bag past the gradient": (
+        [torch.ones(1, 3), torch.ones(10, 3), torch.tensor([1, 0]), torch.tensor([0]),
+         torch.tensor([0, 1 << 40])],
+        call("aten::_embedding_bag_per_sample_weights_backward",
+             [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4), 0], [5]),
+    ),
+    "_embedding_bag_backward, a bag past the gradient": (
+        [torch.ones(1, 3), torch.tensor([1, 0]), torch.tensor([0]),
+         torch.tensor([0, 7]), torch.tensor([2]), torch.zeros(1, dtype=LONG)],
+        call("aten::_embedding_bag_backward", [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4),
+                                               Slot(5), 10, False, 0, False, None], [6]),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("attack", list(EMBEDDING_ATTACKS), ids=lambda a: a.split(" (")[0])
+def test_embedding_kernels_are_refused_indices_outside_their_tables(arena, attack):
+    inputs, *steps = EMBEDDING_ATTACKS[attack]
+    for i, t in enumerate(inputs):
+        arena.attacker_put(100 + i, t)
+    slots = [100 + i for i in range(len(inputs))] + [200 + i for i in range(8)]
+    reply = arena.refused(run(steps, slots))
+    assert "index" in reply["error"]["message"] or "bag" in reply["error"]["message"]
+
+
+def test_embedding_kernels_with_honest_indices_give_what_torch_gives(arena):
+    # An expanded index tensor is read as the contiguous one it stands for (torch's own
+    # kernel read past its storage), so the result is what torch gives for that one.
+    weight = torch.randn(10, 3, dtype=torch.float64)
+    indices, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    for i, t in enumerate([weight, indices, offsets, torch.tensor([3])]):
+        arena.attacker_put(100 + i, t)
+    expanded = call("aten::_embedding_bag", [Slot(0), Slot(6), Slot(2)], [7, 8, 9, 10])
+    steps = [call("aten::expand", [Slot(3), [8]], [6]), expanded, ["return", 7]]
+    got = arena.attack(run(steps, [100, 101, 102, 103, *range(300, 307)]))["returns"][0][1]
+    want = torch.ops.aten._embedding_bag(weight, torch.full((8,), 3), offsets)[0]
+    assert torch.equal(got, want)
+    steps = [call("aten::_embedding_bag", [Slot(0), Slot(1), Slot(2), True, 1], [3, 4, 5, 6]),
+             call("aten::_embedding_bag_backward",
+                  [Slot(3), Slot(1), Slot(2), Slot(4), Slot(5), Slot(6), 10, True, 1, False,
+                   None], [7]),
+             call("aten::embedding", [Slot(0), Slot(1)], [8]),
+             call("aten::embedding_dense_backward", [Slot(8), Slot(1), 10, -1, True], [9]),
+             ["return", 3], ["return", 7], ["return", 9]]  # fmt: skip
+    got = [t for _, t in arena.attack(run(steps, [100, 101, 102, *range(200, 207)]))["returns"]]
+    A = torch.ops.aten
+    out, bags, sizes, most = A._embedding_bag(weight, indices, offsets, True, 1)
+    grad = A._embedding_bag_backward(out, indices, offsets, bags, sizes, most, 10, True, 1,
+                                     False, None)  # fmt: skip
+    rows = A.embedding(weight, indices)
+    want = [out, grad, A.embedding_dense_backward(rows, indices, 10, -1, True)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    arena.check()
+
+
 def test_as_strided_in_place_past_its_storage_is_refused_before_it_changes_anything(arena):
     arena.attacker_put(1, torch.arange(4.0))
     steps = [call("aten::as_strided_", [Slot(0), [1 << 20], [1]], [0], writes=[[0, 0]])]
