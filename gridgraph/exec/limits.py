@@ -6,11 +6,13 @@ A client is one session of one authenticated peer (see worker.py). Policy:
                 inbox, transfers kept for resending, cached replies and programs, request
                 records. A request that would take the session over `max_client_memory` is
                 refused before it changes anything; a program's new tensors are computed
-                from meta shapes (PyTorch's shape-only device) before any step runs.
+                from meta shapes (PyTorch's shape-only device) before any step runs, and
+                the scratch each op takes while it runs is bounded from its inputs
+                (`op_scratch`: counted at the op's peak, not held after it).
     time        a request runs at most `max_request_seconds`: a program estimated to need
-                clearly more is refused before it runs; one that runs over is stopped at
-                its next step (or killed with its executor process, see executor.py) and
-                undone.
+                clearly more (`op_work`: elements touched, or multiply-adds) is refused
+                before it runs; one that runs over is stopped at its next step (or
+                killed with its executor process, see executor.py) and undone.
     messages    a message over `max_message_bytes` is dropped unread.
     rate        each peer may send `requests_per_second` requests, in bursts of up to
                 `request_burst`; the rest are refused, naming the limit, at most as often
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -188,11 +192,15 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int], float] | None:
-    """Run `op` on meta arguments: (meta result, new storages, work), or None.
+def op_footprint(
+    op: Any, args: list, kwargs: dict
+) -> tuple[Any, dict[int, int], int, float] | None:
+    """Run `op` on meta arguments: (meta result, new storages, scratch bytes, work), or None.
 
     New storages are those of the result that no argument shares, as {storage key: bytes},
     and the growth of an argument's storage that the op resized in place (`resize_`).
+    Scratch is what the op may allocate inside itself and free before it returns
+    (`op_scratch`): meta kernels allocate only results, so it is bounded from the arguments.
 
     None when the op has no meta kernel (data-dependent ops such as nonzero: bounded from
     their real arguments by `data_dependent_footprint`) or the arguments do not fit (the
@@ -219,17 +227,13 @@ def op_footprint(op: Any, args: list, kwargs: dict) -> tuple[Any, dict[int, int]
     for key, storage in storages.items():  # grown in place: the growth is new memory
         if storage.nbytes() > sizes[key]:
             new[key] = storage.nbytes() - sizes[key]
-    biggest = max((t.numel() for t in inputs + outputs), default=0)
-    work = float(biggest)
-    name = op._schema.name
-    if name in _PRODUCTS and inputs and outputs and inputs[-1].dim() >= 1:
-        work = max(work, 2.0 * outputs[0].numel() * _inner_dim(name, inputs))
-    return result, new, work
+    arg = _argument_reader(op, args, kwargs)
+    return result, new, op_scratch(op, inputs, outputs, arg), op_work(op, inputs, outputs, arg)
 
 
 def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, float]:
-    """(new bytes, work) at most, of an op whose output size depends on its data (one
-    `op_footprint` cannot tell), read from its real arguments before it runs.
+    """(new bytes and scratch, work) at most, of an op whose output size depends on its
+    data (one `op_footprint` cannot tell), read from its real arguments before it runs.
 
     bincount (its largest value sets its length), repeat_interleave (its repeats), nonzero
     (an index per dimension for each element), histogram (its bin count) and ctc_loss (its
@@ -237,14 +241,6 @@ def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, fl
     boolean index) makes at most 32 bytes (a complex value, an index and a count) for each
     element of its largest argument, broadcast: elements, not storage bytes, as an expanded
     argument has many more. The work is an element of input or output each."""
-    schema = op._schema
-
-    def arg(name: str, default: Any = None) -> Any:
-        for i, a in enumerate(schema.arguments):
-            if a.name == name:
-                return args[i] if i < len(args) else kwargs.get(name, default)
-        return default
-
     tensors: list[torch.Tensor] = []
     _tensors(args, tensors)
     _tensors(list(kwargs.values()), tensors)
@@ -252,8 +248,22 @@ def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, fl
         elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
     except RuntimeError:  # (arguments that do not broadcast together)
         elements = max((t.numel() for t in tensors), default=0)
-    made = _data_dependent_bytes(schema.name, arg, elements)
-    return made, float(max(elements, made // 8))
+    arg = _argument_reader(op, args, kwargs)
+    made = _data_dependent_bytes(op._schema.name, arg, elements)
+    return made + op_scratch(op, tensors, [], arg), float(max(elements, made // 8))
+
+
+def _argument_reader(op: Any, args: list, kwargs: dict) -> Any:
+    """`arg(name, default)`: the argument of `op`'s schema called `name` in this call."""
+    names = [a.name for a in op._schema.arguments]
+
+    def arg(name: str, default: Any = None) -> Any:
+        if name not in names:
+            return default
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name, default)
+
+    return arg
 
 
 def _data_dependent_bytes(name: str, arg: Any, elements: int) -> int:
@@ -279,8 +289,116 @@ def _data_dependent_bytes(name: str, arg: Any, elements: int) -> int:
     return 32 * elements
 
 
+# --- scratch: what an op allocates inside itself -------------------------------------------
+
+
+def _schema_names(category: str) -> frozenset[str]:
+    return frozenset("aten::" + name.split(".")[0] for name in CATEGORIES[category])
+
+
+# Ops that compute nothing: a view or a new layout of their input's storage.
+_LAYOUTS = _schema_names("views") | _schema_names("layout in place")
+# Ops that sort or select: each may copy its input's values and an int64 index per element.
+_SORTS = frozenset({"aten::sort", "aten::topk", "aten::kthvalue", "aten::median",
+                    "aten::nanmedian", "aten::mode", "aten::isin", "aten::_unique",
+                    "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim"})  # fmt: skip
+_CONVOLUTIONS = frozenset({"aten::convolution", "aten::convolution_backward"})
+# Reductions that copy their input first (measured; the others read it where it lies), in
+# int64 for count_nonzero.
+_COPYING_REDUCTIONS = frozenset({"aten::aminmax", "aten::count_nonzero", "aten::logsumexp",
+                                 "aten::max", "aten::min"})  # fmt: skip
+
+
+def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], arg: Any) -> int:
+    """Bytes `op` may allocate inside itself and free before it returns, at most.
+
+    Meta kernels never show these, and they are not bounded by what a client holds: an
+    expanded input holds one number and reads as billions, which a kernel copies to a
+    contiguous buffer or sorts. So every input is charged its logical size (elements, not
+    storage), as measured on CPU kernels:
+        pointwise ops, views and     nothing (TensorIterator reads strides as they are)
+        most reductions
+        a few reductions             one copy, in int64 at least (max, min, aminmax,
+                                     logsumexp, count_nonzero: measured)
+        sorting and selection        2 copies and an int64 index per element (isin sorts a
+                                     copy of both inputs; topk, mode: 16 B per float)
+        convolution (and backward)   the columns it unfolds its input into: each output
+                                     position times a kernel's elements (float64 kernels)
+        any other op                 one contiguous copy of each input (mse_loss makes one
+                                     even of a dense input)
+    """
+    name = op._schema.name
+    if name in _COPYING_REDUCTIONS:
+        return sum(t.numel() * max(8, t.element_size()) for t in inputs)
+    if name in _LAYOUTS or torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags:
+        return 0
+    if name in _SORTS:
+        return sum(t.numel() * (2 * t.element_size() + 16) for t in inputs)
+    copies = sum(t.numel() * t.element_size() for t in inputs)
+    if name in _CONVOLUTIONS:
+        input, weight = arg("input"), arg("weight")
+        columns = _convolution_macs(input, weight, outputs, arg) // max(1, weight.shape[0])
+        return copies + columns * int(arg("groups", 1)) * input.element_size()
+    return copies
+
+
+def _convolution_macs(input: torch.Tensor, weight: torch.Tensor, outputs: list, arg: Any) -> int:
+    """Multiply-adds of a convolution: every kernel element at every position, per sample.
+    (Positions: the larger of its input's and its output's, which serves transposed ones.)"""
+    if weight.dim() < 3:
+        return 0
+    output = arg("grad_output") if arg("grad_output") is not None else outputs[0]
+    batched = input.dim() == weight.dim()
+    samples = input.shape[0] if batched else 1
+    positions = max(math.prod(t.shape[-(weight.dim() - 2) :]) for t in (input, output))
+    return samples * positions * weight.numel()
+
+
+# --- work: how long an op runs ---------------------------------------------------------------
+
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",
              "aten::linear", "aten::addbmm", "aten::einsum"}  # fmt: skip
+# Ops whose every output element takes a pass over the last dimension of its input.
+_DISTANCES = {"aten::_cdist_forward", "aten::_cdist_backward", "aten::_pdist_forward",
+              "aten::_pdist_backward", "aten::_euclidean_dist"}  # fmt: skip
+
+
+def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], arg: Any) -> float:
+    """Work of `op`: elements touched, or multiply-adds where it does more than a pass.
+
+    Matrix products and convolutions count their multiply-adds (a convolution's backward
+    twice: its input's gradient and its weight's), distances their output times the
+    vectors' length, factorisations and solvers n^3 per matrix, sorts n log n."""
+    biggest = max((t.numel() for t in inputs + outputs), default=0)
+    work = float(biggest)
+    name = op._schema.name
+    if not inputs or not outputs:
+        return work
+    if name in _PRODUCTS and inputs[-1].dim() >= 1:
+        work = max(work, 2.0 * outputs[0].numel() * _inner_dim(name, inputs))
+    elif name in _CONVOLUTIONS:
+        times = 4.0 if name == "aten::convolution_backward" else 2.0
+        work = max(work, times * _convolution_macs(arg("input"), arg("weight"), outputs, arg))
+    elif name in _DISTANCES:
+        length = max(t.shape[-1] if t.dim() else 1 for t in inputs)
+        work = max(work, 2.0 * max(t.numel() for t in inputs + outputs) * length)
+    elif name.startswith(("aten::linalg_", "aten::_linalg_")) or name in _FACTORISATIONS:
+        work = max(work, max(_cubed(t) for t in inputs))
+    elif name in _SORTS:
+        work = max(work, biggest * math.log2(max(2, biggest)))
+    return work
+
+
+_FACTORISATIONS = {"aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",
+                   "aten::ormqr", "aten::triangular_solve", "aten::lu_unpack"}  # fmt: skip
+
+
+def _cubed(t: torch.Tensor) -> float:
+    """n^3 for each n x n matrix of a batch of them (m n^2 for n x m ones, n <= m)."""
+    if t.dim() < 2:
+        return float(t.numel())
+    n, m = sorted(t.shape[-2:])
+    return float(math.prod(t.shape[:-2])) * m * n * n
 
 
 def _inner_dim(name: str, inputs: list[torch.Tensor]) -> int:

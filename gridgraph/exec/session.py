@@ -31,7 +31,8 @@ step is prepared then, once (`CompiledCall`: its op resolved from the allowlist,
 a template with the slot and parameter positions to fill), so a replay of a cached program
 looks up no names and dispatches on no argument types; before a run,
 the shapes of everything it creates are worked out on the meta device from the stored inputs
-(`Program.footprint`), so a run that would break the memory or time limit is refused before
+(`Program.footprint`), with a bound on the scratch memory each op takes while it runs
+(`limits.op_scratch`), so a run that would break the memory or time limit is refused before
 any step runs (a run's slots name distinct values, and inputs that are one tensor object
 share one meta tensor, so what the walk sees is what the run will hold). Steps whose inputs
 only arrive during the run (a `recv`) are checked the same way just before they run, from
@@ -566,8 +567,9 @@ class CompiledCall:
         self._footprints: OrderedDict[tuple, tuple[int, float] | None] = OrderedDict()
 
     def footprint(self, args: list, kwargs: dict) -> tuple[int, float] | None:
-        """(bytes of new storage, work) of this call on these arguments, from a run on meta
-        tensors (limits.op_footprint); None when meta cannot tell (data-dependent ops).
+        """(bytes of new storage and scratch, work) of this call on these arguments, from a
+        run on meta tensors (limits.op_footprint); None when meta cannot tell (data-dependent
+        ops).
 
         Remembered per argument metadata (the latest FOOTPRINTS_KEPT), since a replayed
         step's steps that read transferred tensors see the same metadata every time and a
@@ -583,7 +585,7 @@ class CompiledCall:
             meta_args = [_to_meta(a) for a in args]
             meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
             result = op_footprint(self.op, meta_args, meta_kw)
-            found = None if result is None else (sum(result[1].values()), result[2])
+            found = None if result is None else (sum(result[1].values()) + result[2], result[3])
             if key is not None:
                 self._footprints[key] = found
                 if len(self._footprints) > FOOTPRINTS_KEPT:
@@ -685,13 +687,13 @@ def _footprint(
                 for slot in [*outs, *(s for _, s in writes)]:
                     bind(slot, None)
                 continue
-            result, made, op_work[i] = footprint
+            result, made, scratch, op_work[i] = footprint
             work += op_work[i]
             for key, nbytes in made.items():
                 if not users.get(key):  # (growth of a storage held already, by resize_, stays
                     new_bytes[key] = nbytes  # counted: values outside the run may hold it)
             now += sum(made.values())
-            peak = max(peak, now)
+            peak = max(peak, now + scratch)  # (scratch: freed by the time the op returns)
             tensors = _result_tensors(result)
             for slot, t in zip(outs, tensors):
                 bind(slot, t)
@@ -841,7 +843,7 @@ class Run:
         return None
 
     def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
-        """Check the call's new bytes and work against the limits; return its work."""
+        """Check the call's new bytes, scratch and work against the limits; return its work."""
         footprint = call.footprint(args, kwargs)
         if footprint is None:  # its output size depends on its data: bounded from that
             footprint = data_dependent_footprint(call.op, args, kwargs)

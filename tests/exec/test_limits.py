@@ -668,3 +668,80 @@ def test_a_long_chain_of_ops_is_checked_at_what_it_holds_at_once_not_in_all():
         for _ in range(100):
             want = torch.sin(want) * 1.0001
         assert torch.equal(y.get(), want)
+
+
+# Scratch memory: what an op allocates inside itself and frees before it returns. Meta shows
+# only its results, so each of these passed the check and allocated many times the limit
+# (an expanded input costs 4 bytes to hold and gigabytes to copy, sort or unfold). Each is
+# now charged before it runs, in the run's peak but not in what the session holds after.
+
+
+@pytest.mark.parametrize(
+    "op, args, outs",
+    [
+        ("aten::isin.Tensor_Tensor", [Slot(1), Slot(2)], [5]),  # sorts both: 24 B/element
+        ("aten::median.default", [Slot(2)], [5]),  # a contiguous copy to select in
+        ("aten::mm.default", [Slot(3), Slot(4)], [5]),  # contiguous copies of 1 x N and N x 1
+        ("aten::aminmax.default", [Slot(2)], [5, 6]),  # a reduction, copying its input
+    ],
+    ids=["isin", "median", "mm", "aminmax"],
+)
+def test_an_op_whose_scratch_memory_would_pass_the_limit_is_refused_before_it_runs(op, args, outs):
+    n = 1 << 22  # 16 MiB of float32 for a 1 MiB limit: each op below took 16-100 MiB
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        one, tests = torch.ones(1), torch.arange(5000.0)
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, one],
+                                                                   [2, tests]]})["ok"]  # fmt: skip
+        expand = [hostile.call("aten::expand.default", [Slot(0), [n]], [2]),
+                  hostile.call("aten::expand.default", [Slot(0), [1, n]], [3]),
+                  hostile.call("aten::expand.default", [Slot(0), [n, 1]], [4])]  # fmt: skip
+        _refused_before_it_runs(grid, [*expand, hostile.call(op, args, outs)],
+                                [1, 2, 10, 11, 12, 13, 14], 0)  # fmt: skip
+
+
+def test_a_sort_of_a_dense_tensor_is_charged_its_indices_and_copies():
+    # A 312 kB tensor held, and a topk of it: a copy of its values and an int64 index per
+    # element inside the op (1.5 MB at its peak, measured) though its result is 8 bytes.
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        x, small = torch.randn(80_000), torch.randn(100)
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, x], [2, small]]})["ok"]
+        topk = [hostile.call("aten::topk.default", [Slot(0), 1], [1, 2])]
+        _refused_before_it_runs(grid, topk, [1, 10, 11], 0)
+        got = _returns(grid, [*topk, ["return", 1], ["return", 2]], [2, 20, 21])
+        want = torch.topk(small, 1)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+
+
+def test_a_convolution_is_charged_the_columns_it_unfolds_its_input_into():
+    # float64 convolutions unfold each input patch into a column: a 30 x 30 kernel over a
+    # 200 x 200 image is 1.2 MB of input and 288 MB of columns (measured 406 MiB).
+    with gg.local_grid(1, limits=Limits(max_client_memory=8 << 20)) as grid:
+        image = torch.randn(1, 1, 200, 200, dtype=torch.float64)
+        kernel = torch.randn(1, 1, 30, 30, dtype=torch.float64)
+        small, small_kernel = (torch.randn(1, 1, 8, 8, dtype=torch.float64),
+                               torch.randn(1, 1, 3, 3, dtype=torch.float64))  # fmt: skip
+        values = [[1, image], [2, kernel], [3, small], [4, small_kernel]]
+        assert Peer(grid).request("w0", {"kind": "put", "values": values})["ok"]
+        conv = "aten::convolution.default"
+        rest = [None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1]
+        steps = [hostile.call(conv, [Slot(0), Slot(1), *rest], [2]), ["return", 2]]
+        _refused_before_it_runs(grid, steps[:1], [1, 2, 10], 0)
+        got = _returns(grid, steps, [3, 4, 20])
+        assert torch.equal(got[0], torch.ops.aten.convolution(small, small_kernel, *rest))
+
+
+def test_a_convolution_is_checked_against_the_time_limit_by_its_multiply_adds():
+    # 1 x 2048 x 128 x 128 (expanded from one number) by 2048 x 2048 x 1 x 1: 6.9 x 10^10
+    # multiply-adds, taken for 3.4 x 10^7 (its largest tensor), ran 1.4 s under a 0.5 s limit.
+    limits = Limits(max_client_memory=None, max_request_seconds=0.5)
+    with gg.local_grid(1, limits=limits) as grid:
+        values = [[1, torch.ones(1)], [2, torch.randn(2048, 2048, 1, 1)]]
+        assert Peer(grid).request("w0", {"kind": "put", "values": values})["ok"]
+        rest = [None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1]
+        steps = [
+            hostile.call("aten::expand.default", [Slot(0), [1, 2048, 128, 128]], [2]),
+            hostile.call("aten::convolution.default", [Slot(2), Slot(1), *rest], [3]),
+        ]
+        reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 10, 11]))
+        assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
