@@ -250,7 +250,8 @@ def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, fl
         elements = max((t.numel() for t in tensors), default=0)
     arg = _argument_reader(op, args, kwargs)
     made = _data_dependent_bytes(op._schema.name, arg, elements)
-    return made + op_scratch(op, tensors, [], arg), float(max(elements, made // 8))
+    work = max(elements, made // 8, op_work(op, tensors, [], arg))  # (lstsq, geqrf: n^3)
+    return made + op_scratch(op, tensors, [], arg), float(work)
 
 
 def _argument_reader(op: Any, args: list, kwargs: dict) -> Any:
@@ -314,44 +315,122 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
 
     Meta kernels never show these, and they are not bounded by what a client holds: an
     expanded input holds one number and reads as billions, which a kernel copies to a
-    contiguous buffer or sorts. So every input is charged its logical size (elements, not
-    storage), as measured on CPU kernels:
-        pointwise ops, views and     nothing (TensorIterator reads strides as they are)
-        most reductions
+    contiguous buffer or sorts. So inputs are charged by their logical size (elements, not
+    storage), at the widest dtype involved, as measured on CPU kernels:
+        pointwise ops, views and     only a copy of each input not in the dtype it computes
+        most reductions              in (TensorIterator casts a copy; it reads strides as
+                                     they are)
         a few reductions             one copy, in int64 at least (max, min, aminmax,
-                                     logsumexp, count_nonzero: measured)
+                                     logsumexp, count_nonzero)
         sorting and selection        2 copies and an int64 index per element (isin sorts a
                                      copy of both inputs; topk, mode: 16 B per float)
-        convolution (and backward)   the columns it unfolds its input into: each output
-                                     position times a kernel's elements (float64 kernels)
-        any other op                 one contiguous copy of each input (mse_loss makes one
-                                     even of a dense input)
+        any other op                 one contiguous copy of each input, and more where it
+                                     broadcasts them (losses over their broadcast shape,
+                                     solvers over their broadcast batch), unfolds them (a
+                                     convolution's columns, `_trilinear`'s outer product) or
+                                     counts rows (embedding backward, scale_grad_by_freq)
     """
     name = op._schema.name
+    width = max((t.element_size() for t in inputs + outputs), default=1)
     if name in _COPYING_REDUCTIONS:
-        return sum(t.numel() * max(8, t.element_size()) for t in inputs)
+        return sum(t.numel() * max(8, width) for t in inputs)
     if name in _LAYOUTS or torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags:
-        return 0
+        return _casts(inputs, outputs, width)
     if name in _SORTS:
-        return sum(t.numel() * (2 * t.element_size() + 16) for t in inputs)
-    copies = sum(t.numel() * t.element_size() for t in inputs)
-    if name in _CONVOLUTIONS:
-        input, weight = arg("input"), arg("weight")
-        columns = _convolution_macs(input, weight, outputs, arg) // max(1, weight.shape[0])
-        return copies + columns * int(arg("groups", 1)) * input.element_size()
-    return copies
+        return sum(t.numel() * (2 * width + 16) for t in inputs)
+    scratch = sum(t.numel() * width for t in inputs)
+    if name in _CONVOLUTIONS and _unfolds_columns(arg("input"), arg("weight")):
+        columns = _convolution_macs(arg("input"), arg("weight"), outputs, arg)
+        scratch += columns // max(1, arg("weight").shape[0]) * int(arg("groups")) * width
+    elif name in _BROADCAST_LOSSES:
+        scratch += 2 * _broadcast_elements(inputs) * width
+    elif name in _BATCH_BROADCASTS:
+        scratch += _batch_broadcast_elements(inputs) * width
+    elif name == "aten::_trilinear":
+        scratch += 2 * _trilinear_elements(arg) * width
+    if arg("scale_grad_by_freq") and isinstance(arg("num_weights"), int):
+        scratch += 8 * max(0, arg("num_weights"))  # a count per row
+    return scratch
+
+
+def _casts(inputs: list[torch.Tensor], outputs: list[torch.Tensor], width: int) -> int:
+    """Bytes of the copies made of inputs not in the dtype the op computes in: its result's
+    (a reduction's dtype= too), or its inputs' common one where it returns bools."""
+    if not inputs:
+        return 0
+    common = inputs[0].dtype
+    for t in inputs[1:]:
+        common = torch.promote_types(common, t.dtype)
+    computes = outputs[0].dtype if outputs and outputs[0].dtype != torch.bool else common
+    return sum(t.numel() * width for t in inputs if t.dtype != computes)
+
+
+def _broadcast_elements(inputs: list[torch.Tensor]) -> int:
+    try:
+        return math.prod(torch.broadcast_shapes(*(t.shape for t in inputs)))
+    except RuntimeError:  # (the op will refuse them)
+        return 0
+
+
+def _batch_broadcast_elements(inputs: list[torch.Tensor]) -> int:
+    """Elements of the inputs' matrices copied out to their broadcast batch shape."""
+    matrices = [t for t in inputs if t.dim() >= 2]
+    try:
+        batch = math.prod(torch.broadcast_shapes(*(t.shape[:-2] for t in matrices)))
+    except RuntimeError:
+        return 0
+    return sum(batch * t.shape[-2] * t.shape[-1] for t in matrices)
+
+
+def _trilinear_elements(arg: Any) -> int:
+    """Elements of `_trilinear`'s product of its three inputs, each unsqueezed where its
+    expand argument says, before it sums: an outer product of inputs that hold one number."""
+    shapes = []
+    for t, dims in ((arg("i1"), arg("expand1")), (arg("i2"), arg("expand2")),
+                    (arg("i3"), arg("expand3"))):  # fmt: skip
+        shape = list(t.shape)
+        for d in sorted(dims):
+            shape.insert(min(max(d, 0), len(shape)), 1)
+        shapes.append(shape)
+    try:
+        return math.prod(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        return 0
+
+
+def _unfolds_columns(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a convolution takes the path that unfolds its input into columns: oneDNN
+    (float32, bfloat16, float16) does not, past the smallest inputs (measured)."""
+    return not (
+        input.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and input.numel() > 20480
+    )
 
 
 def _convolution_macs(input: torch.Tensor, weight: torch.Tensor, outputs: list, arg: Any) -> int:
     """Multiply-adds of a convolution: every kernel element at every position, per sample.
-    (Positions: the larger of its input's and its output's, which serves transposed ones.)"""
-    if weight.dim() < 3:
+    (Positions: the output's; a transposed convolution's are its input's.)"""
+    output = arg("grad_output")
+    if output is None and outputs:
+        output = outputs[0]
+    if not all(isinstance(t, torch.Tensor) for t in (input, weight, output)) or weight.dim() < 3:
         return 0
-    output = arg("grad_output") if arg("grad_output") is not None else outputs[0]
-    batched = input.dim() == weight.dim()
-    samples = input.shape[0] if batched else 1
-    positions = max(math.prod(t.shape[-(weight.dim() - 2) :]) for t in (input, output))
-    return samples * positions * weight.numel()
+    spatial = weight.dim() - 2
+    samples = input.shape[0] if input.dim() == weight.dim() else 1
+    over = input if arg("transposed") else output
+    return samples * math.prod(over.shape[-spatial:]) * weight.numel()
+
+
+_BROADCAST_LOSSES = frozenset({"aten::mse_loss", "aten::huber_loss", "aten::smooth_l1_loss",
+                               "aten::soft_margin_loss", "aten::binary_cross_entropy",
+                               "aten::binary_cross_entropy_with_logits", "aten::dist"})  # fmt: skip
+_BATCH_BROADCASTS = frozenset({"aten::cholesky_solve", "aten::linalg_solve_triangular",
+                               "aten::_linalg_solve_ex", "aten::linalg_lu_solve",
+                               "aten::linalg_ldl_solve", "aten::triangular_solve",
+                               "aten::linalg_lstsq", "aten::_cdist_forward",
+                               "aten::_cdist_backward"})  # fmt: skip
 
 
 # --- work: how long an op runs ---------------------------------------------------------------
@@ -367,26 +446,36 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     """Work of `op`: elements touched, or multiply-adds where it does more than a pass.
 
     Matrix products and convolutions count their multiply-adds (a convolution's backward
-    twice: its input's gradient and its weight's), distances their output times the
-    vectors' length, factorisations and solvers n^3 per matrix, sorts n log n."""
+    twice: its input's gradient and its weight's), pools a kernel's elements per output,
+    distances and margin losses their output times the vectors' length, embedding bags a
+    row per index, factorisations and solvers n^3 per matrix, sorts n log n, and ops that
+    broadcast their inputs the broadcast elements."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
-    if not inputs or not outputs:
+    if not inputs:
         return work
-    if name in _PRODUCTS and inputs[-1].dim() >= 1:
-        work = max(work, 2.0 * outputs[0].numel() * _inner_dim(name, inputs))
-    elif name in _CONVOLUTIONS:
+    if name in _PRODUCTS and outputs and inputs[-1].dim() >= 1:
+        return max(work, 2.0 * outputs[0].numel() * _inner_dim(name, inputs))
+    if name in _CONVOLUTIONS:
         times = 4.0 if name == "aten::convolution_backward" else 2.0
-        work = max(work, times * _convolution_macs(arg("input"), arg("weight"), outputs, arg))
-    elif name in _DISTANCES:
+        return max(work, times * _convolution_macs(arg("input"), arg("weight"), outputs, arg))
+    if "pool" in name and isinstance(arg("kernel_size"), (list, tuple)):
+        return max(work, 2.0 * biggest * math.prod(int(k) for k in arg("kernel_size")))
+    if name in _DISTANCES or name.startswith("aten::multilabel_margin_loss"):
         length = max(t.shape[-1] if t.dim() else 1 for t in inputs)
-        work = max(work, 2.0 * max(t.numel() for t in inputs + outputs) * length)
-    elif name.startswith(("aten::linalg_", "aten::_linalg_")) or name in _FACTORISATIONS:
-        work = max(work, max(_cubed(t) for t in inputs))
-    elif name in _SORTS:
-        work = max(work, biggest * math.log2(max(2, biggest)))
-    return work
+        return max(work, 2.0 * biggest * length)
+    if name.startswith("aten::_embedding_bag"):
+        weight, indices = arg("weight"), arg("indices")
+        row = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() else 1
+        return max(work, 2.0 * indices.numel() * row if indices is not None else 0.0)
+    if name.startswith(("aten::linalg_", "aten::_linalg_")) or name in _FACTORISATIONS:
+        return max(work, max(_cubed(t) for t in inputs))
+    if name in _SORTS:
+        return max(work, biggest * math.log2(max(2, biggest)))
+    if name == "aten::_trilinear":
+        return max(work, 2.0 * _trilinear_elements(arg))
+    return max(work, float(_broadcast_elements(inputs)) if name in _BROADCAST_LOSSES else 0.0)
 
 
 _FACTORISATIONS = {"aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",

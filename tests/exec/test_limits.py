@@ -745,3 +745,78 @@ def test_a_convolution_is_checked_against_the_time_limit_by_its_multiply_adds():
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 10, 11]))
         assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+
+
+def _expanded(slot: int, shape: list[int], out: int) -> list:
+    return hostile.call("aten::expand.default", [Slot(slot), shape], [out])
+
+
+# Second review: scratch that grows past the inputs' own sizes (an outer product, a broadcast,
+# a count per row, a batch copied out, a cast to a wider dtype). Each ran under the limit.
+WIDE_SCRATCH = {
+    "_trilinear: the outer product of its inputs": (
+        [torch.ones(1)],
+        [_expanded(0, [4096, 1], 1), _expanded(0, [4096, 1], 2),
+         hostile.call("aten::_trilinear.default",
+                      [Slot(1), Slot(2), Slot(2), [1], [0], [0], [1], 2], [3])],
+    ),
+    "huber_loss: over its inputs' broadcast shape": (
+        [torch.ones(1)],
+        [_expanded(0, [4096, 1], 1), _expanded(0, [1, 4096], 2),
+         hostile.call("aten::huber_loss.default", [Slot(1), Slot(2), 1, 1.0], [3])],
+    ),
+    "dist: over its inputs' broadcast shape": (
+        [torch.ones(1)],
+        [_expanded(0, [4096, 1], 1), _expanded(0, [1, 4096], 2),
+         hostile.call("aten::dist.default", [Slot(1), Slot(2)], [3])],
+    ),
+    "embedding_dense_backward: a count per row": (
+        [torch.ones(2048, 0), torch.arange(0, 1 << 24, 1 << 13)],
+        [hostile.call("aten::embedding_dense_backward.default",
+                      [Slot(0), Slot(1), 1 << 24, -1, True], [2])],
+    ),
+    "cholesky_solve: its matrix copied out to the broadcast batch": (
+        [torch.eye(64), torch.ones(64, 1, 64, 1)],
+        [_expanded(0, [1, 64, 64, 64], 2),
+         hostile.call("aten::cholesky_solve.default", [Slot(1), Slot(2)], [3])],
+    ),
+    "sum: cast to the dtype it is asked for": (
+        [torch.ones(1, dtype=torch.int8)],
+        [_expanded(0, [1 << 22], 1),
+         hostile.call("aten::sum.default", [Slot(1)], [2], {"dtype": torch.complex128})],
+    ),
+    "eq: cast to the inputs' common dtype": (
+        [torch.ones(1, dtype=torch.int8), torch.ones(1, dtype=torch.complex128)],
+        [_expanded(0, [1 << 22], 2),
+         hostile.call("aten::eq.Tensor", [Slot(2), Slot(1)], [3])],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(WIDE_SCRATCH), ids=lambda c: c.split(":")[0])
+def test_scratch_past_the_inputs_own_sizes_is_refused_before_it_runs(case):
+    # 64-256 MiB each, measured, under a 3 MiB limit (the eq: and 4 MiB for its bools)
+    values, steps = WIDE_SCRATCH[case]
+    limit = (3 << 20) + sum(v.nbytes for v in values)
+    if case.startswith("eq"):
+        limit += 4 << 20
+    with gg.local_grid(1, limits=Limits(max_client_memory=limit)) as grid:
+        put = {"kind": "put", "values": [[1 + i, v] for i, v in enumerate(values)]}
+        assert Peer(grid).request("w0", put)["ok"]
+        slots = [1 + i for i in range(len(values))] + [10 + i for i in range(4)]
+        _refused_before_it_runs(grid, steps, slots[:4] if len(values) == 1 else slots, 0)
+
+
+def test_a_pool_is_checked_against_the_time_limit_by_its_kernels_elements():
+    # A 512 x 512 window over a 1024 x 1024 expanded image: 2.7 x 10^11 additions, 30 s,
+    # taken for 10^6 (its largest tensor) under a 1 s limit.
+    limits = Limits(max_client_memory=None, max_request_seconds=1)
+    with gg.local_grid(1, limits=limits) as grid:
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]})["ok"]
+        steps = [
+            _expanded(0, [1, 1, 1024, 1024], 1),
+            hostile.call("aten::avg_pool2d.default", [Slot(1), [512, 512], [1, 1]], [2]),
+        ]
+        reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 3]))
+        assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
