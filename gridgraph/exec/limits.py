@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from gridgraph.exec.ops import argument_reader
 from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30
@@ -227,7 +228,7 @@ def op_footprint(
     for key, storage in storages.items():  # grown in place: the growth is new memory
         if storage.nbytes() > sizes[key]:
             new[key] = storage.nbytes() - sizes[key]
-    arg = _argument_reader(op, args, kwargs)
+    arg = argument_reader(op, args, kwargs)
     return result, new, op_scratch(op, inputs, outputs, arg), op_work(op, inputs, outputs, arg)
 
 
@@ -248,23 +249,10 @@ def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, fl
         elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
     except RuntimeError:  # (arguments that do not broadcast together)
         elements = max((t.numel() for t in tensors), default=0)
-    arg = _argument_reader(op, args, kwargs)
+    arg = argument_reader(op, args, kwargs)
     made = _data_dependent_bytes(op._schema.name, arg, elements)
     work = max(elements, made // 8, op_work(op, tensors, [], arg))  # (lstsq, geqrf: n^3)
     return made + op_scratch(op, tensors, [], arg), float(work)
-
-
-def _argument_reader(op: Any, args: list, kwargs: dict) -> Any:
-    """`arg(name, default)`: the argument of `op`'s schema called `name` in this call."""
-    names = [a.name for a in op._schema.arguments]
-
-    def arg(name: str, default: Any = None) -> Any:
-        if name not in names:
-            return default
-        i = names.index(name)
-        return args[i] if i < len(args) else kwargs.get(name, default)
-
-    return arg
 
 
 def _data_dependent_bytes(name: str, arg: Any, elements: int) -> int:

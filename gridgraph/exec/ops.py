@@ -195,18 +195,29 @@ def _resize(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
 
 
 def _checked_indices(op: torch._ops.OpOverload, check: Callable, args: list, kwargs: dict) -> Any:
-    names = [a.name for a in op._schema.arguments]
     args = [_contiguous_ints(a) for a in args]
     kwargs = {k: _contiguous_ints(v) for k, v in kwargs.items()}
-
-    def arg(name: str) -> Any:  # (None for an argument its schema does not have)
-        if name not in names:
-            return None
-        i = names.index(name)
-        return args[i] if i < len(args) else kwargs.get(name, op._schema.arguments[i].default_value)
-
-    check(arg)
+    check(argument_reader(op, args, kwargs))
     return op(*args, **kwargs)
+
+
+def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Callable:
+    """`arg(name, default=None)`: the argument of `op`'s schema called `name` in this call
+    (its schema's default where the call leaves it out; `default` where it has none, or
+    the schema has no such argument)."""
+    schema = {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
+
+    def arg(name: str, default: Any = None) -> Any:
+        if name not in schema:
+            return default
+        i, argument = schema[name]
+        if i < len(args):
+            return args[i]
+        if name in kwargs:
+            return kwargs[name]
+        return argument.default_value if argument.has_default_value() else default
+
+    return arg
 
 
 def _contiguous_ints(a: Any) -> Any:
