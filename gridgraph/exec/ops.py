@@ -6,7 +6,9 @@ vocabulary of the graph, by category), so no private, unsafe, sparse-constructor
 process-state op is callable. After each op, the worker checks its result with
 `check_view`: every element a result's (sizes, strides, storage offset) reaches lies inside
 its storage. Ops that return uninitialised memory (`empty_like`, ...) have their result
-zero-filled, so no client reads bytes another client freed.
+zero-filled, so no client reads bytes another client freed. Ops whose CPU kernels index
+with a client's integer tensors unchecked (the embedding kernels) have those tensors made
+contiguous and checked before they run (`_INDEX_CHECKS`).
 
 Random ops draw from the caller's own generator (`RandomState`), so `worker.manual_seed(s)`
 makes them repeatable without touching anyone else's random state.

@@ -21,9 +21,11 @@ files and raw memory (`from_file`, `data_ptr`). The private (leading `_`) overlo
 listed are the kernels behind public functions (`_softmax`, `_to_copy`, `_fft_c2c`,
 `_linalg_svd`, ...): each was reviewed and checks its arguments as its public function does.
 
-Two properties the worker adds (exec/ops.py): every result is checked against its storage's
-bounds (a view reaching past its storage is refused), and the results of the ops in
-UNINITIALIZED are zero-filled, so no client reads memory another client freed.
+Three properties the worker adds (exec/ops.py): every result is checked against its storage's
+bounds (a view reaching past its storage is refused), the results of the ops in
+UNINITIALIZED are zero-filled, so no client reads memory another client freed, and the
+embedding kernels' index tensors are made contiguous and checked against the rows they
+index (their CPU code reads and writes rows unchecked).
 
 To add an op: check that it validates its arguments, does not reach outside its tensors'
 storage or the process's tensor math, then list it under its category.
