@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.ops import argument_reader
+from gridgraph.exec.kernel_checks import argument_reader
 from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30

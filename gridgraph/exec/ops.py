@@ -7,8 +7,8 @@ process-state op is callable. After each op, the worker checks its result with
 `check_view`: every element a result's (sizes, strides, storage offset) reaches lies inside
 its storage. Ops that return uninitialised memory (`empty_like`, ...) have their result
 zero-filled, so no client reads bytes another client freed. Ops whose CPU kernels index
-with a client's integer tensors unchecked (the embedding kernels) have those tensors made
-contiguous and checked before they run (`_INDEX_CHECKS`).
+with their arguments unchecked (embedding, pooling backward, batch norm, ctc_loss, ...) have
+them checked before they run (kernel_checks.py).
 
 Random ops draw from the caller's own generator (`RandomState`), so `worker.manual_seed(s)`
 makes them repeatable without touching anyone else's random state.
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gridgraph.exec import kernel_checks
 from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
 
 _NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
@@ -156,17 +157,22 @@ def runner(op: torch._ops.OpOverload) -> Runner:
 
     Most ops are called as they are; uninitialised results are zero-filled, `as_strided_`
     is bounds-checked before it changes its tensor, memory `resize_` grows into is zeroed,
-    and seeded ops draw from the session's own stream `rng`.
+    seeded ops draw from the session's own stream `rng`, and the kernels that trust their
+    arguments have them checked first (kernel_checks.py).
     """
+    run = _runner(op)
+    if op._schema.name not in kernel_checks.CHECKS:
+        return run
+    return lambda rng, args, kwargs: run(rng, *kernel_checks.checked_arguments(op, args, kwargs))
+
+
+def _runner(op: torch._ops.OpOverload) -> Runner:
     if _uninitialized(op):
         return lambda rng, args, kwargs: op(*args, **kwargs).zero_()
     if op is torch.ops.aten.as_strided_.default:
         return _as_strided_
     if op in _RESIZE:
         return lambda rng, args, kwargs: _resize(op, args, kwargs)
-    check = _INDEX_CHECKS.get(op._schema.name)
-    if check is not None:
-        return lambda rng, args, kwargs: _checked_indices(op, check, args, kwargs)
     if _seeded(op):
         return lambda rng, args, kwargs: rng.seeded(op, args, kwargs)
     return lambda rng, args, kwargs: op(*args, **kwargs)
@@ -185,121 +191,3 @@ def _resize(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
     storage = torch.empty(0, dtype=torch.uint8).set_(result.untyped_storage())
     storage[before:].zero_()
     return result
-
-
-# --- embedding kernels: indices checked before they index ------------------------------------
-
-# The CPU embedding kernels read and write rows through raw pointers at the integer tensors
-# they are given, unchecked: a row past the table wrote past the heap, and an expanded index
-# tensor was read as if contiguous, past its storage. So their integer tensors are made
-# contiguous, and each is checked against the table or gradient it indexes, before they run.
-# (Honest ones come from the forward op; a hostile client makes up `offset2bag` and the rest.)
-
-
-def _checked_indices(op: torch._ops.OpOverload, check: Callable, args: list, kwargs: dict) -> Any:
-    args = [_contiguous_ints(a) for a in args]
-    kwargs = {k: _contiguous_ints(v) for k, v in kwargs.items()}
-    check(argument_reader(op, args, kwargs))
-    return op(*args, **kwargs)
-
-
-def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Callable:
-    """`arg(name, default=None)`: the argument of `op`'s schema called `name` in this call
-    (its schema's default where the call leaves it out; `default` where it has none, or
-    the schema has no such argument)."""
-    schema = {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
-
-    def arg(name: str, default: Any = None) -> Any:
-        if name not in schema:
-            return default
-        i, argument = schema[name]
-        if i < len(args):
-            return args[i]
-        if name in kwargs:
-            return kwargs[name]
-        return argument.default_value if argument.has_default_value() else default
-
-    return arg
-
-
-def _contiguous_ints(a: Any) -> Any:
-    if isinstance(a, torch.Tensor) and not a.is_floating_point() and not a.is_complex():
-        return a.contiguous()
-    return a
-
-
-def _in_range(t: Any, what: str, high: int, low: int = 0) -> None:
-    """Refuse unless every element of `t` lies in [low, high)."""
-    if not isinstance(t, torch.Tensor) or t.numel() == 0:
-        return
-    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise OpRefused(f"{what} must hold integer indices, not {t.dtype}")
-    least, most = int(t.min()), int(t.max())
-    if least < low or most >= high:
-        raise OpRefused(
-            f"{what} holds an index out of range: {least}..{most}, where {low}..{high - 1} "
-            "are allowed"
-        )
-
-
-def _rows(t: Any) -> int:
-    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else 0
-
-
-def _numel(t: Any) -> int:
-    return t.numel() if isinstance(t, torch.Tensor) else 0
-
-
-def _check_bags(arg: Callable, indices_high: int, bags: int | None) -> None:
-    """The indices, offsets, offset2bag, bag_size and per-sample weights of an embedding bag:
-    `bags` rows in the gradient (None in the forward, which makes them)."""
-    indices, offsets = arg("indices"), arg("offsets")
-    _in_range(indices, "indices", indices_high)
-    _in_range(offsets, "offsets", _numel(indices) + 1)
-    if isinstance(offsets, torch.Tensor) and offsets.numel():
-        if int(offsets.reshape(-1)[0]) != 0 or bool((offsets.diff() < 0).any()):
-            raise OpRefused("offsets must start at 0 and never decrease")
-    weights = arg("per_sample_weights")
-    if weights is not None and _numel(weights) != _numel(indices):
-        raise OpRefused("per_sample_weights must hold one weight per index")
-    if bags is None:
-        return
-    offset2bag = arg("offset2bag")
-    if _numel(offset2bag) not in (0, _numel(indices)):
-        raise OpRefused("offset2bag must name one bag per index")
-    _in_range(offset2bag, "offset2bag", bags)
-    if arg("bag_size") is not None and _numel(arg("bag_size")) != bags:
-        raise OpRefused("bag_size must hold one size per bag")
-
-
-def _index_checks() -> dict[str, Callable]:
-    def embedding(arg: Callable) -> None:
-        _in_range(arg("indices"), "indices", _rows(arg("weight")))
-
-    def renorm(arg: Callable) -> None:
-        _in_range(arg("indices"), "indices", _rows(arg("self")))
-
-    def dense_backward(arg: Callable) -> None:
-        _in_range(arg("indices"), "indices", arg("num_weights"))
-
-    def bag(arg: Callable) -> None:
-        _check_bags(arg, _rows(arg("weight")), None)
-
-    def bag_backward(arg: Callable) -> None:
-        _check_bags(arg, arg("num_weights"), _rows(arg("grad")))
-
-    def per_sample_weights_backward(arg: Callable) -> None:
-        _check_bags(arg, _rows(arg("weight")), _rows(arg("grad")))
-
-    return {
-        "aten::embedding": embedding,
-        "aten::embedding_renorm_": renorm,
-        "aten::embedding_dense_backward": dense_backward,
-        "aten::_embedding_bag": bag,
-        "aten::_embedding_bag_forward_only": bag,
-        "aten::_embedding_bag_backward": bag_backward,
-        "aten::_embedding_bag_per_sample_weights_backward": per_sample_weights_backward,
-    }
-
-
-_INDEX_CHECKS = _index_checks()

@@ -1,0 +1,419 @@
+"""Checks for the arguments of kernels that trust them: run before such an op, on a worker.
+
+Threat model: a client names any allowed op with tensors of its making. Most ATen CPU kernels
+check their arguments; the ones listed here index memory with what they are given, unchecked,
+because in torch those arguments come from their own forward op (an index tensor, a saved
+mean, a log_alpha) or a module that sized them. Crafted, they read or wrote past their
+tensors: a crash of the worker, heap corruption, or another client's bytes in a result
+(found by adversarial review, each with a repro; see tests/exec/test_attacks.py).
+
+Policy, per op (`CHECKS`): the integer tensors an op indexes with are made contiguous (an
+expanded one was read as if it were) and checked to lie within what they index; tensors a
+kernel reads as if shaped by its forward are checked to be so shaped; mode numbers are
+checked to name a mode. A failed check raises `KernelArgumentRefused` before the op runs,
+so it changes nothing. What these cost: a min and a max over index tensors, a few shape
+comparisons.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Arg = Callable[..., Any]  # arg(name, default=None): a call's argument, by schema name
+
+
+class KernelArgumentRefused(ValueError):
+    """An op's arguments that its kernel would index or read past."""
+
+
+def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Arg:
+    """`arg(name, default=None)`: the argument of `op`'s schema called `name` in this call
+    (its schema's default where the call leaves it out; `default` where it has none, or
+    the schema has no such argument)."""
+    schema = {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
+
+    def arg(name: str, default: Any = None) -> Any:
+        if name not in schema:
+            return default
+        i, argument = schema[name]
+        if i < len(args):
+            return args[i]
+        if name in kwargs:
+            return kwargs[name]
+        return argument.default_value if argument.has_default_value() else default
+
+    return arg
+
+
+def checked_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> tuple[list, dict]:
+    """`op`'s arguments checked (`CHECKS`), its integer tensors made contiguous (all its
+    tensors, for the backward kernels in `READ_AS_CONTIGUOUS`, which write none)."""
+    every = op._schema.name in READ_AS_CONTIGUOUS
+    args = [_contiguous(a, every) for a in args]
+    kwargs = {k: _contiguous(v, every) for k, v in kwargs.items()}
+    CHECKS[op._schema.name](argument_reader(op, args, kwargs))
+    return args, kwargs
+
+
+def _contiguous(a: Any, every: bool) -> Any:
+    if isinstance(a, torch.Tensor) and (every or not (a.is_floating_point() or a.is_complex())):
+        return a.contiguous()
+    if isinstance(a, list):
+        return [_contiguous(x, every) for x in a]
+    return a
+
+
+# --- what the checks are made of --------------------------------------------------------------
+
+
+def _in_range(t: Any, what: str, high: int, low: int = 0) -> None:
+    """Refuse unless every element of `t` lies in [low, high)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise KernelArgumentRefused(f"{what} must hold integer indices, not {t.dtype}")
+    least, most = int(t.min()), int(t.max())
+    if least < low or most >= high:
+        raise KernelArgumentRefused(
+            f"{what} holds an index out of range: {least}..{most}, where {low}..{high - 1} "
+            "are allowed"
+        )
+
+
+def _shaped(t: Any, what: str, shape: Any) -> None:
+    """Refuse unless `t` (a tensor, when given, or a shape) has exactly `shape`."""
+    if t is None:
+        return
+    has = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+    if has != tuple(shape):
+        raise KernelArgumentRefused(f"{what} has shape {has}, not {tuple(shape)}")
+
+
+def _sized(t: Any, what: str, numel: int) -> None:
+    """Refuse unless tensor `t` (when given) has `numel` elements."""
+    if isinstance(t, torch.Tensor) and t.numel() != numel:
+        raise KernelArgumentRefused(f"{what} has {t.numel()} elements, not {numel}")
+
+
+def _rows(t: Any) -> int:
+    return t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else 0
+
+
+def _numel(t: Any) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else 0
+
+
+def _dense(t: Any, what: str) -> None:
+    """Refuse a tensor a kernel writes as if contiguous (an expanded one wrote past it)."""
+    if isinstance(t, torch.Tensor) and not t.is_contiguous():
+        raise KernelArgumentRefused(f"{what} must be contiguous")
+
+
+# --- embedding -------------------------------------------------------------------------------
+
+
+def _bags(arg: Arg, indices_high: int, bags: int | None) -> None:
+    """The indices, offsets, offset2bag, bag_size and per-sample weights of an embedding bag:
+    `bags` rows in the gradient (None in the forward, which makes them)."""
+    indices, offsets = arg("indices"), arg("offsets")
+    _in_range(indices, "indices", indices_high)
+    _in_range(offsets, "offsets", _numel(indices) + 1)
+    if isinstance(offsets, torch.Tensor) and offsets.numel():
+        if int(offsets.reshape(-1)[0]) != 0 or bool((offsets.diff() < 0).any()):
+            raise KernelArgumentRefused("offsets must start at 0 and never decrease")
+    weights = arg("per_sample_weights")
+    if weights is not None and _numel(weights) != _numel(indices):
+        raise KernelArgumentRefused("per_sample_weights must hold one weight per index")
+    if bags is None:
+        return
+    offset2bag = arg("offset2bag")
+    if _numel(offset2bag) not in (0, _numel(indices)):
+        raise KernelArgumentRefused("offset2bag must name one bag per index")
+    _in_range(offset2bag, "offset2bag", bags)
+    if arg("bag_size") is not None and _numel(arg("bag_size")) != bags:
+        raise KernelArgumentRefused("bag_size must hold one size per bag")
+
+
+def _embedding(arg: Arg) -> None:
+    _in_range(arg("indices"), "indices", _rows(arg("weight")))
+
+
+def _embedding_renorm(arg: Arg) -> None:
+    _in_range(arg("indices"), "indices", _rows(arg("self")))
+
+
+def _embedding_dense_backward(arg: Arg) -> None:
+    _in_range(arg("indices"), "indices", arg("num_weights"))
+
+
+def _embedding_bag(arg: Arg) -> None:
+    _bags(arg, _rows(arg("weight")), None)
+
+
+def _embedding_bag_backward(arg: Arg) -> None:
+    _bags(arg, arg("num_weights"), _rows(arg("grad")))
+
+
+def _per_sample_weights_backward(arg: Arg) -> None:
+    _bags(arg, _rows(arg("weight")), _rows(arg("grad")))
+
+
+# --- pooling backward ------------------------------------------------------------------------
+
+
+def _pool_backward(spatial: int, has_indices: bool) -> Callable[[Arg], None]:
+    """A max or adaptive pool's backward: its gradient shaped as its input in the leading
+    dimensions (channels-last kernels read the channel count off the input), and its
+    indices within a plane of its input, one per gradient element."""
+
+    def check(arg: Arg) -> None:
+        grad, input = arg("grad_output"), arg("self")
+        if input.dim() < spatial or grad.dim() != input.dim():
+            raise KernelArgumentRefused("grad_output must have its input's dimensions")
+        _shaped(grad.shape[:-spatial], "grad_output's leading dimensions", input.shape[:-spatial])
+        if has_indices:
+            _shaped(arg("indices"), "indices", grad.shape)
+            _in_range(arg("indices"), "indices", math.prod(input.shape[-spatial:]))
+
+    return check
+
+
+# --- normalisation ---------------------------------------------------------------------------
+
+_PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd",
+                "save_var")  # fmt: skip
+
+
+def _batch_norm(arg: Arg) -> None:
+    """One value per channel in each per-channel tensor (the running stats are written
+    there: a shorter one was written past; saved statistics may be empty out of training),
+    and a gradient shaped as the input."""
+    input = arg("input")
+    if input.dim() < 2:
+        raise KernelArgumentRefused("batch norm's input needs a channel dimension")
+    training = arg("train", arg("update", arg("training", True)))
+    for name in _PER_CHANNEL:
+        t = arg(name)
+        if not (name.startswith("save") and not training and _numel(t) == 0):
+            _sized(t, name, input.shape[1])
+        if name.startswith("running"):
+            _dense(t, name)
+    _shaped(arg("grad_out"), "grad_out", input.shape)
+
+
+def _layer_norm_backward(arg: Arg) -> None:
+    input, normalized = arg("input"), [int(n) for n in arg("normalized_shape")]
+    groups = input.numel() // max(1, math.prod(normalized))
+    _shaped(arg("grad_out"), "grad_out", input.shape)
+    for name, numel in (("mean", groups), ("rstd", groups), ("weight", math.prod(normalized)),
+                        ("bias", math.prod(normalized))):  # fmt: skip
+        _sized(arg(name), name, numel)
+
+
+# --- the rest --------------------------------------------------------------------------------
+
+
+def _segments(arg: Arg) -> None:
+    """Lengths or offsets that cover no more than the data's axis (what they leave at its
+    end is ignored), and a gradient shaped as the output it is the gradient of."""
+    data, axis = arg("data"), arg("axis", 0)
+    if not isinstance(axis, int) or not -data.dim() <= axis < max(1, data.dim()):
+        raise KernelArgumentRefused("axis is not a dimension of data")
+    extent = data.shape[axis] if data.dim() else 1
+    lengths, offsets = arg("lengths"), arg("offsets")
+    if isinstance(lengths, torch.Tensor):
+        _in_range(lengths, "lengths", extent + 1)
+        if lengths.numel() and bool((lengths.sum(-1) > extent).any()):
+            raise KernelArgumentRefused(f"lengths add up to more than data's {extent} on axis")
+    if isinstance(offsets, torch.Tensor):
+        _in_range(offsets, "offsets", extent + 1)
+        if offsets.numel() and (
+            bool((offsets[..., 0] != 0).any()) or bool((offsets[..., -1] > extent).any())
+            or bool((offsets.diff(dim=-1) < 0).any())
+        ):  # fmt: skip
+            raise KernelArgumentRefused(f"offsets must run from 0 to {extent} at most, never down")
+    if arg("grad") is not None:
+        _shaped(arg("grad"), "grad", arg("output").shape)
+
+
+def _grid_sampler(arg: Arg) -> None:
+    """Mode numbers that name a mode (others left the result uninitialised: heap bytes)."""
+    if arg("interpolation_mode") not in (0, 1, 2) or arg("padding_mode") not in (0, 1, 2):
+        raise KernelArgumentRefused("interpolation_mode and padding_mode must be 0, 1 or 2")
+
+
+def _rrelu_noise(arg: Arg) -> None:
+    _shaped(arg("noise"), "noise", arg("self").shape)
+    _dense(arg("noise"), "noise")
+
+
+def _attention(arg: Arg) -> None:
+    """Keys and values of one length, batch and heads; in the backward, `out`, `grad_out`
+    and `logsumexp` shaped as the forward made them."""
+    q, k, v = arg("query"), arg("key"), arg("value")
+    if not q.dim() == k.dim() == v.dim() == 4:
+        raise KernelArgumentRefused("query, key and value must be 4-D")
+    _shaped(k.shape[:2], "key's batch and heads", q.shape[:2])
+    _shaped(v.shape[:3], "value's batch, heads and length", k.shape[:3])
+    if arg("out") is not None:
+        out = (*q.shape[:3], v.shape[3])
+        _shaped(arg("out"), "out", out)
+        _shaped(arg("grad_out"), "grad_out", out)
+        _shaped(arg("logsumexp"), "logsumexp", q.shape[:3])
+
+
+def _ctc(arg: Arg) -> None:
+    """Targets that name classes, lengths within the inputs, and in the backward a
+    `log_alpha`, `neg_log_likelihood` and `grad` shaped as the forward made them."""
+    log_probs, targets = arg("log_probs"), arg("targets")
+    if log_probs.dim() not in (2, 3):
+        raise KernelArgumentRefused("log_probs must be (T, C) or (T, N, C)")
+    steps, classes = log_probs.shape[0], log_probs.shape[-1]
+    batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    _in_range(targets, "targets", classes)
+    inputs, lengths = (torch.as_tensor(arg(n)).reshape(-1) for n in ("input_lengths",
+                                                                    "target_lengths"))  # fmt: skip
+    _sized(inputs, "input_lengths", batch)
+    _sized(lengths, "target_lengths", batch)
+    _in_range(inputs, "input_lengths", steps + 1, low=1)
+    longest = targets.shape[-1] if targets.dim() == 2 else targets.numel()
+    _in_range(lengths, "target_lengths", longest + 1)
+    if targets.dim() != 2 and int(lengths.sum()) > targets.numel():
+        raise KernelArgumentRefused("target_lengths add up to more than targets holds")
+    if arg("log_alpha") is not None:
+        most = int(lengths.max()) if lengths.numel() else 0
+        alpha = arg("log_alpha")
+        if alpha.dim() != 3 or alpha.shape[:2] != (batch, steps) or alpha.shape[2] < 2 * most + 1:
+            raise KernelArgumentRefused("log_alpha is not shaped as the forward made it")
+        _sized(arg("neg_log_likelihood"), "neg_log_likelihood", batch)
+        _sized(arg("grad"), "grad", batch)
+
+
+def _ldl_pivots(arg: Arg) -> None:
+    """LAPACK's pivots of an LDL factorisation (lower): a positive one names a row; a
+    negative one opens a 2 x 2 block whose second pivot repeats it. A block left open at
+    the end made the solver index row n + 1."""
+    pivots = arg("pivots")
+    n = pivots.shape[-1] if pivots.dim() else 0
+    _in_range(pivots.abs(), "pivots' rows", n + 1, low=1)
+    for row in pivots.reshape(-1, n).tolist() if n else []:
+        k = 0
+        while k < n:
+            if row[k] > 0:
+                k += 1
+            elif k + 1 < n and row[k + 1] == row[k]:
+                k += 2
+            else:
+                raise KernelArgumentRefused("pivots open a 2 x 2 block they do not close")
+
+
+def _distance_backward(arg: Arg) -> None:
+    """The gradient and the distances shaped as the forward made them."""
+    distances = arg("cdist") if arg("cdist") is not None else arg("pdist")
+    _shaped(arg("grad_output"), "grad_output", distances.shape)
+    if arg("pdist") is not None:
+        n = arg("self").shape[0] if arg("self").dim() else 0
+        _sized(distances, "pdist", n * (n - 1) // 2)
+    else:
+        x1, x2 = arg("x1"), arg("x2")
+        try:
+            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+        except RuntimeError as e:
+            raise KernelArgumentRefused(str(e)) from None
+        _shaped(distances, "cdist", (*batch, x1.shape[-2], x2.shape[-2]))
+
+
+def _unfold_backward(arg: Arg) -> None:
+    """A gradient shaped as `unfold(dim, size, step)` of a tensor of `input_sizes`."""
+    sizes, dim, size, step = list(arg("input_sizes")), arg("dim"), arg("size"), arg("step")
+    if not sizes:
+        sizes, dim = [1], 0
+    if not -len(sizes) <= dim < len(sizes) or step < 1 or not 0 <= size <= sizes[dim]:
+        raise KernelArgumentRefused("dim, size or step do not unfold input_sizes")
+    unfolded = list(sizes)
+    unfolded[dim] = (sizes[dim] - size) // step + 1
+    _shaped(arg("grad_in"), "grad_in", [*unfolded, size])
+
+
+def _multi_margin_backward(arg: Arg) -> None:
+    input = arg("self")
+    rows = input.shape[0] if input.dim() == 2 else 1
+    _in_range(arg("target"), "target", input.shape[-1] if input.dim() else 1)
+    _sized(arg("target"), "target", rows)
+    _sized(arg("grad_output"), "grad_output", rows if arg("reduction") == 0 else 1)
+    _sized(arg("weight"), "weight", input.shape[-1] if input.dim() else 1)
+
+
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # RNN_RELU, RNN_TANH, LSTM, GRU: gates per unit
+
+
+def _rnn_layer(arg: Arg) -> None:
+    """Weights, biases and states sized for `hidden_size` and the input's features."""
+    input, hidden = arg("input"), arg("hidden_size")
+    if input.dim() != 3 or not isinstance(hidden, int) or hidden < 1:
+        raise KernelArgumentRefused("input must be 3-D and hidden_size positive")
+    gates = _GATES.get(arg("mode"))
+    if gates is None:
+        raise KernelArgumentRefused("mode must name an RNN kind")
+    batch = input.shape[0] if arg("batch_first") else input.shape[1]
+    _shaped(arg("weight0"), "weight0", (gates * hidden, input.shape[2]))
+    _shaped(arg("weight1"), "weight1", (gates * hidden, hidden))
+    if arg("has_biases"):
+        _sized(arg("weight2"), "weight2", gates * hidden)
+        _sized(arg("weight3"), "weight3", gates * hidden)
+    _sized(arg("hx_"), "hx_", batch * hidden)
+    _sized(arg("cx_"), "cx_", batch * hidden)
+
+
+# Backward kernels that read their saved tensors as if contiguous (an expanded `out` was
+# read past its storage): all their tensors are made contiguous first (they write none).
+READ_AS_CONTIGUOUS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                "aten::_ctc_loss_backward", "aten::_cdist_backward",
+                                "aten::_pdist_backward", "aten::native_layer_norm_backward",
+                                "aten::_segment_reduce_backward", "aten::unfold_backward",
+                                "aten::multi_margin_loss_backward"})  # fmt: skip
+
+CHECKS: dict[str, Callable[[Arg], None]] = {
+    "aten::embedding": _embedding,
+    "aten::embedding_renorm_": _embedding_renorm,
+    "aten::embedding_dense_backward": _embedding_dense_backward,
+    "aten::_embedding_bag": _embedding_bag,
+    "aten::_embedding_bag_forward_only": _embedding_bag,
+    "aten::_embedding_bag_backward": _embedding_bag_backward,
+    "aten::_embedding_bag_per_sample_weights_backward": _per_sample_weights_backward,
+    "aten::max_pool2d_with_indices_backward": _pool_backward(2, True),
+    "aten::max_pool3d_with_indices_backward": _pool_backward(3, True),
+    "aten::adaptive_max_pool2d_backward": _pool_backward(2, True),
+    "aten::adaptive_max_pool3d_backward": _pool_backward(3, True),
+    "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),
+    "aten::_adaptive_avg_pool3d_backward": _pool_backward(3, False),
+    "aten::native_batch_norm": _batch_norm,
+    "aten::_native_batch_norm_legit": _batch_norm,
+    "aten::_batch_norm_with_update": _batch_norm,
+    "aten::native_batch_norm_backward": _batch_norm,
+    "aten::batch_norm_backward": _batch_norm,
+    "aten::native_layer_norm_backward": _layer_norm_backward,
+    "aten::segment_reduce": _segments,
+    "aten::_segment_reduce_backward": _segments,
+    "aten::grid_sampler_2d": _grid_sampler,
+    "aten::grid_sampler_2d_backward": _grid_sampler,
+    "aten::grid_sampler_3d": _grid_sampler,
+    "aten::grid_sampler_3d_backward": _grid_sampler,
+    "aten::rrelu_with_noise": _rrelu_noise,
+    "aten::rrelu_with_noise_": _rrelu_noise,
+    "aten::rrelu_with_noise_backward": _rrelu_noise,
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _attention,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _attention,
+    "aten::_ctc_loss": _ctc,
+    "aten::_ctc_loss_backward": _ctc,
+    "aten::linalg_ldl_solve": _ldl_pivots,
+    "aten::_cdist_backward": _distance_backward,
+    "aten::_pdist_backward": _distance_backward,
+    "aten::unfold_backward": _unfold_backward,
+    "aten::multi_margin_loss_backward": _multi_margin_backward,
+    "aten::mkldnn_rnn_layer": _rnn_layer,
+}

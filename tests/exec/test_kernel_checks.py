@@ -1,0 +1,156 @@
+"""Kernels that trust their arguments: a second peer crafts them, the worker refuses them.
+
+Each case is one found by adversarial review (repro: the arguments below). Unchecked, each
+read or wrote past its tensors on the worker: an abort or segfault of the whole process,
+heap corruption, or bytes from outside the tensors in the result. Now each is refused
+before the kernel runs, with an error naming the argument, and the worker keeps serving.
+Honest arguments (those torch's own forward ops make) are covered by the conformance suite.
+"""
+
+from __future__ import annotations
+
+import hostile
+import pytest
+import torch
+from local_peer import Peer
+
+import gridgraph as gg
+from gridgraph.exec.kernel_checks import CHECKS
+from gridgraph.schedule.plan import Slot
+
+LONG, INT = torch.long, torch.int32
+
+
+def _channels_last(*shape: int) -> tuple[torch.Tensor, list]:
+    """A tensor to permute on the worker into a channels-last layout of `shape`."""
+    n, c, *rest = shape
+    return torch.randn(n, *rest, c), [0, len(shape) - 1, *range(1, len(shape) - 1)]
+
+
+_x_cl, _cl = _channels_last(2, 3, 4, 4)
+_one_cl, _ = _channels_last(2, 1, 4, 4)
+_lp = torch.randn(6, 2, 4).log_softmax(2)
+_targets = torch.tensor([[1, 2, 1], [2, 3, 1]])
+_nll, _alpha = torch.ops.aten._ctc_loss(_lp, _targets, [6, 6], [3, 3], 0, False)
+_sym = torch.randn(4, 4, dtype=torch.float64)
+_ld = torch.ops.aten.linalg_ldl_factor_ex(_sym + _sym.T)[0]
+
+# name -> (inputs (slots 0..), steps), each step's outputs in the slots after the inputs
+CASES = {
+    "segment_reduce_backward: lengths past the data (abort)": (
+        [torch.ones(2), torch.ones(2), torch.arange(6.0), torch.tensor([2, 400])],
+        [["aten::_segment_reduce_backward", [Slot(0), Slot(1), Slot(2), "sum"],
+          {"lengths": Slot(3)}, 1]],
+    ),
+    "segment_reduce: offsets before the data (read)": (
+        [torch.arange(6.0), torch.tensor([-10, 2, 6])],
+        [["aten::segment_reduce", [Slot(0), "sum"], {"offsets": Slot(1)}, 1]],
+    ),
+    "max_pool2d_with_indices_backward: an index past the plane (segfault)": (
+        [torch.ones(1, 1, 2, 2), torch.randn(1, 1, 4, 4), torch.tensor([[[[1 << 40, 0], [1, 2]]]])],
+        [["aten::max_pool2d_with_indices_backward",
+          [Slot(0), Slot(1), [2, 2], [2, 2], [0, 0], [1, 1], False, Slot(2)], {}, 1]],
+    ),
+    "adaptive_max_pool2d_backward: an index before the plane (write)": (
+        [torch.ones(1, 1, 2, 2), torch.randn(1, 1, 4, 4), torch.tensor([[[[-50, 0], [1, 2]]]])],
+        [["aten::adaptive_max_pool2d_backward", [Slot(0), Slot(1), Slot(2)], {}, 1]],
+    ),
+    "adaptive_max_pool2d_backward: channels-last, fewer channels (segfault)": (
+        [torch.ones(2, 1, 2, 2), _x_cl, torch.zeros(2, 1, 2, 2, dtype=LONG)],
+        [["aten::permute", [Slot(1), _cl], {}, 1],
+         ["aten::adaptive_max_pool2d_backward", [Slot(0), Slot(3), Slot(2)], {}, 1]],
+    ),
+    "_adaptive_avg_pool2d_backward: channels-last, more channels (abort)": (
+        [torch.ones(2, 3, 2, 2), _one_cl],
+        [["aten::permute", [Slot(1), _cl], {}, 1],
+         ["aten::_adaptive_avg_pool2d_backward", [Slot(0), Slot(2)], {}, 1]],
+    ),
+    "native_batch_norm: one running mean for three channels (write)": (
+        [torch.randn(2, 3, 4), torch.ones(3), torch.zeros(1), torch.ones(1)],
+        [["aten::native_batch_norm",
+          [Slot(0), Slot(1), None, Slot(2), Slot(3), True, 0.1, 1e-5], {}, 3]],
+    ),
+    "native_batch_norm_backward: one saved mean for three channels (read)": (
+        [torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.ones(3), torch.zeros(1), torch.ones(1)],
+        [["aten::native_batch_norm_backward",
+          [Slot(0), Slot(1), Slot(2), None, None, Slot(3), Slot(4), True, 1e-5,
+           [True, True, True]], {}, 3]],
+    ),
+    "native_layer_norm_backward: one mean for six rows (read)": (
+        [torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.zeros(1), torch.ones(1)],
+        [["aten::native_layer_norm_backward",
+          [Slot(0), Slot(1), [4], Slot(2), Slot(3), None, None, [True, False, False]], {}, 3]],
+    ),
+    "linalg_ldl_solve: a 2 x 2 block left open (segfault)": (
+        [_ld, torch.tensor([-1, 2, 3, 4], dtype=INT), torch.randn(4, 2, dtype=torch.float64)],
+        [["aten::linalg_ldl_solve", [Slot(0), Slot(1), Slot(2)], {"hermitian": True}, 1]],
+    ),
+    "rrelu_with_noise: expanded noise (write)": (
+        [torch.randn(2, 4), torch.ones(1)],
+        [["aten::expand", [Slot(1), [2, 4]], {}, 1],
+         ["aten::rrelu_with_noise", [Slot(0), Slot(2), 0.1, 0.3, True], {}, 1]],
+    ),
+    "flash attention: values longer than keys (segfault)": (
+        [torch.randn(1, 1, 4, 4), torch.randn(1, 1, 1, 4), torch.randn(1, 1, 100_000, 4)],
+        [["aten::_scaled_dot_product_flash_attention_for_cpu",
+          [Slot(0), Slot(1), Slot(2)], {}, 2]],
+    ),
+    "ctc_loss: a target past the classes (segfault)": (
+        [torch.randn(5, 1, 3).log_softmax(2), torch.tensor([[2, 100_000, 1]])],
+        [["aten::_ctc_loss", [Slot(0), Slot(1), [5], [3], 0, False], {}, 2]],
+    ),
+    "ctc_loss: no input steps (uninitialised log_alpha)": (
+        [torch.randn(5, 1, 3).log_softmax(2), torch.tensor([[1, 2, 1]])],
+        [["aten::_ctc_loss", [Slot(0), Slot(1), [0], [3], 0, False], {}, 2]],
+    ),
+    "ctc_loss_backward: a short log_alpha (heap corruption)": (
+        [torch.ones(2), _lp, _targets, _nll, _alpha[:, :1, :1].contiguous()],
+        [["aten::_ctc_loss_backward",
+          [Slot(0), Slot(1), Slot(2), [6, 6], [3, 3], Slot(3), Slot(4), 0, False], {}, 1]],
+    ),
+    "cdist_backward: a short gradient (read)": (
+        [torch.ones(1), torch.randn(3, 4), torch.randn(5, 4)],
+        [["aten::_cdist_backward", [Slot(0), Slot(1), Slot(2), 1.0, Slot(0)], {}, 1]],
+    ),
+    "unfold_backward: a short gradient (read)": (
+        [torch.ones(4)],
+        [["aten::unfold_backward", [Slot(0), [100], 0, 4, 1], {}, 1]],
+    ),
+    "multi_margin_loss_backward: a short gradient (read)": (
+        [torch.ones(1), torch.randn(2, 4), torch.tensor([1, 2])],
+        [["aten::multi_margin_loss_backward", [Slot(0), Slot(1), Slot(2), 1, 1, None, 0], {}, 1]],
+    ),
+    "grid_sampler_2d: a mode that names none (uninitialised result)": (
+        [torch.randn(1, 1, 4, 4), torch.rand(1, 8, 8, 2)],
+        [["aten::grid_sampler_2d", [Slot(0), Slot(1), 7, 0, False], {}, 1]],
+    ),
+    "mkldnn_rnn_layer: one number for each state (abort)": (
+        [torch.randn(3, 2, 4), torch.randn(20, 4), torch.randn(20, 5), torch.randn(20),
+         torch.ones(1)],
+        [["aten::mkldnn_rnn_layer",
+          [Slot(0), Slot(1), Slot(2), Slot(3), Slot(3), Slot(4), Slot(4), False, [], 2, 5, 1,
+           True, False, False, False], {}, 4]],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=lambda c: c.split(":")[0] + c.split(":")[1][:12])
+def test_arguments_a_kernel_would_index_past_are_refused_before_it_runs(case):
+    inputs, steps = CASES[case]
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid)
+        put = {"kind": "put", "values": [[100 + i, t] for i, t in enumerate(inputs)]}
+        assert peer.request("w0", put)["ok"]
+        calls, slot = [], len(inputs)
+        for op, args, kwargs, n_outs in steps:
+            calls.append(hostile.call(op, args, list(range(slot, slot + n_outs)), kwargs))
+            slot += n_outs
+        slots = [100 + i for i in range(len(inputs))] + [200 + i for i in range(slot)]
+        reply = peer.request("w0", hostile.run(calls, slots))
+        assert not reply["ok"], reply
+        assert CHECKS[calls[-1][1]], reply  # refused by its check, naming what was wrong:
+        assert "refused" in reply["error"]["message"].lower() or any(
+            word in reply["error"]["message"]
+            for word in ("index", "shape", "elements", "must", "pivots", "lengths", "offsets")
+        ), reply
+        assert peer.request("w0", {"kind": "ping"})["ok"]  # the worker keeps serving
