@@ -125,6 +125,8 @@ def _bags(arg: Arg, indices_high: int, bags: int | None) -> None:
     if isinstance(offsets, torch.Tensor) and offsets.numel():
         if int(offsets.reshape(-1)[0]) != 0 or bool((offsets.diff() < 0).any()):
             raise KernelArgumentRefused("offsets must start at 0 and never decrease")
+    if arg("include_last_offset") and _numel(offsets) < 2:
+        raise KernelArgumentRefused("include_last_offset needs at least two offsets")
     weights = arg("per_sample_weights")
     if weights is not None and _numel(weights) != _numel(indices):
         raise KernelArgumentRefused("per_sample_weights must hold one weight per index")
@@ -202,7 +204,32 @@ def _batch_norm(arg: Arg) -> None:
             _sized(t, name, input.shape[1])
         if name.startswith("running"):
             _dense(t, name)
-    _shaped(arg("grad_out"), "grad_out", input.shape)
+    if arg("grad_out") is not None:  # (a backward reads the statistics it normalised by)
+        _shaped(arg("grad_out"), "grad_out", input.shape)
+        needed = ("save_mean", "save_invstd" if arg("save_invstd") is not None else "save_var")
+        for name in needed if training else ("running_mean", "running_var"):
+            if arg(name) is None:
+                raise KernelArgumentRefused(f"{name} is needed {'in' if training else 'out of'} "
+                                            "training")  # fmt: skip
+
+
+def _group_norm(arg: Arg) -> None:
+    """N, C, HxW and groups that describe the input (their product, which torch checks in
+    int64, wrapped round to a small tensor's size), one value per channel or group."""
+    n, c, hxw, group = (arg(name) for name in ("N", "C", "HxW", "group"))
+    input = arg("input")
+    if min(n, c, hxw) < 0 or group < 1 or c % group or n * c * hxw != input.numel():
+        raise KernelArgumentRefused("N, C, HxW and group do not describe the input")
+    _sized(arg("weight"), "weight", c)
+    _sized(arg("bias"), "bias", c)
+    if arg("grad_out") is not None:
+        _shaped(arg("grad_out"), "grad_out", input.shape)
+        _sized(arg("mean"), "mean", n * group)
+        _sized(arg("rstd"), "rstd", n * group)
+
+
+def _softmax_backward(arg: Arg) -> None:
+    _shaped(arg("output"), "output", arg("grad_output").shape)
 
 
 def _layer_norm_backward(arg: Arg) -> None:
@@ -223,8 +250,16 @@ def _segments(arg: Arg) -> None:
     data, axis = arg("data"), arg("axis", 0)
     if not isinstance(axis, int) or not -data.dim() <= axis < max(1, data.dim()):
         raise KernelArgumentRefused("axis is not a dimension of data")
+    axis %= max(1, data.dim())
     extent = data.shape[axis] if data.dim() else 1
     lengths, offsets = arg("lengths"), arg("offsets")
+    given = lengths if isinstance(lengths, torch.Tensor) else offsets
+    if not isinstance(given, torch.Tensor) or given.dim() != axis + 1:
+        raise KernelArgumentRefused("lengths or offsets need one dimension past axis")
+    _shaped(given.shape[:-1], "lengths' or offsets' leading dimensions", data.shape[:axis])
+    if arg("output") is not None:  # the backward: one output per segment
+        segments = given.shape[-1] - (0 if given is lengths else 1)
+        _shaped(arg("output"), "output", (*data.shape[:axis], segments, *data.shape[axis + 1 :]))
     if isinstance(lengths, torch.Tensor):
         _in_range(lengths, "lengths", extent + 1)
         if lengths.numel() and bool((lengths.sum(-1) > extent).any()):
@@ -275,6 +310,10 @@ def _ctc(arg: Arg) -> None:
     steps, classes = log_probs.shape[0], log_probs.shape[-1]
     batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
     _in_range(targets, "targets", classes)
+    if not isinstance(arg("blank"), int) or not 0 <= arg("blank") < classes:
+        raise KernelArgumentRefused(f"blank must name one of the {classes} classes")
+    if targets.dim() == 2 and targets.shape[0] != batch:
+        raise KernelArgumentRefused("2-D targets need a row per batch element")
     inputs, lengths = (torch.as_tensor(arg(n)).reshape(-1) for n in ("input_lengths",
                                                                     "target_lengths"))  # fmt: skip
     _sized(inputs, "input_lengths", batch)
@@ -356,26 +395,41 @@ def _rnn_layer(arg: Arg) -> None:
     input, hidden = arg("input"), arg("hidden_size")
     if input.dim() != 3 or not isinstance(hidden, int) or hidden < 1:
         raise KernelArgumentRefused("input must be 3-D and hidden_size positive")
+    if arg("batch_first") or arg("batch_sizes"):  # (torch's LSTM passes neither: it
+        # transposes a batch-first input itself; the kernel misread batch-first ones)
+        raise KernelArgumentRefused("batch_first and batch_sizes are not supported here")
     gates = _GATES.get(arg("mode"))
     if gates is None:
         raise KernelArgumentRefused("mode must name an RNN kind")
-    batch = input.shape[0] if arg("batch_first") else input.shape[1]
-    _shaped(arg("weight0"), "weight0", (gates * hidden, input.shape[2]))
-    _shaped(arg("weight1"), "weight1", (gates * hidden, hidden))
+    batch = input.shape[1]
+    first = 0 if arg("weight0") is not None else 1  # (the backward counts them from 1)
+    weights = [arg(f"weight{first + i}") for i in range(4)]
+    _shaped(weights[0], "the input weights", (gates * hidden, input.shape[2]))
+    _shaped(weights[1], "the hidden weights", (gates * hidden, hidden))
     if arg("has_biases"):
-        _sized(arg("weight2"), "weight2", gates * hidden)
-        _sized(arg("weight3"), "weight3", gates * hidden)
+        _sized(weights[2], "the input bias", gates * hidden)
+        _sized(weights[3], "the hidden bias", gates * hidden)
     _sized(arg("hx_"), "hx_", batch * hidden)
     _sized(arg("cx_"), "cx_", batch * hidden)
+    _sized(arg("cx_tmp"), "cx_tmp", batch * hidden)
+    if arg("workspace") is not None:  # the backward: what the forward returned
+        steps = input.shape[0]
+        for name in ("output", "grad_output"):
+            _shaped(arg(name), name, (steps, batch, hidden))
+        for name in ("hy_", "cy_", "grad_hy", "grad_cy"):
+            _sized(arg(name), name, batch * hidden)
+        if _numel(arg("workspace")) == 0:
+            raise KernelArgumentRefused("workspace is empty: pass the forward's")
 
 
-# Backward kernels that read their saved tensors as if contiguous (an expanded `out` was
-# read past its storage): all their tensors are made contiguous first (they write none).
+# Kernels that read their tensors as if contiguous (an expanded `out` or `hx_` was read past
+# its storage): all their tensors are made contiguous first (they write none of them).
 READ_AS_CONTIGUOUS = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu_backward",
                                 "aten::_ctc_loss_backward", "aten::_cdist_backward",
                                 "aten::_pdist_backward", "aten::native_layer_norm_backward",
                                 "aten::_segment_reduce_backward", "aten::unfold_backward",
-                                "aten::multi_margin_loss_backward"})  # fmt: skip
+                                "aten::multi_margin_loss_backward", "aten::mkldnn_rnn_layer",
+                                "aten::mkldnn_rnn_layer_backward"})  # fmt: skip
 
 CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::embedding": _embedding,
@@ -416,4 +470,9 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::unfold_backward": _unfold_backward,
     "aten::multi_margin_loss_backward": _multi_margin_backward,
     "aten::mkldnn_rnn_layer": _rnn_layer,
+    "aten::mkldnn_rnn_layer_backward": _rnn_layer,
+    "aten::native_group_norm": _group_norm,
+    "aten::native_group_norm_backward": _group_norm,
+    "aten::_log_softmax_backward_data": _softmax_backward,
+    "aten::_softmax_backward_data": _softmax_backward,
 }

@@ -35,6 +35,11 @@ _nll, _alpha = torch.ops.aten._ctc_loss(_lp, _targets, [6, 6], [3, 3], 0, False)
 _sym = torch.randn(4, 4, dtype=torch.float64)
 _ld = torch.ops.aten.linalg_ldl_factor_ex(_sym + _sym.T)[0]
 
+_rnn_in, _rnn_h = torch.randn(5, 2, 3), torch.randn(1, 2, 4)
+_rnn_w = [torch.randn(16, 3), torch.randn(16, 4), torch.randn(16), torch.randn(16)]
+_rnn_out = torch.ops.aten.mkldnn_rnn_layer(_rnn_in, *_rnn_w, _rnn_h, _rnn_h, False, [], 2, 4, 1,
+                                           True, False, False, True)  # fmt: skip
+
 # name -> (inputs (slots 0..), steps), each step's outputs in the slots after the inputs
 CASES = {
     "segment_reduce_backward: lengths past the data (abort)": (
@@ -130,6 +135,61 @@ CASES = {
         [["aten::mkldnn_rnn_layer",
           [Slot(0), Slot(1), Slot(2), Slot(3), Slot(3), Slot(4), Slot(4), False, [], 2, 5, 1,
            True, False, False, False], {}, 4]],
+    ),
+    # A second review, of the checks above:
+    "mkldnn_rnn_layer: batch_first (heap corruption)": (
+        [torch.randn(2, 7, 3), torch.randn(16, 3), torch.randn(16, 4), torch.randn(16),
+         torch.zeros(1, 2, 4)],
+        [["aten::mkldnn_rnn_layer",
+          [Slot(0), Slot(1), Slot(2), Slot(3), Slot(3), Slot(4), Slot(4), False, [], 2, 4, 1,
+           True, False, True, False], {}, 4]],
+    ),
+    "mkldnn_rnn_layer_backward: an empty workspace (segfault)": (
+        [_rnn_in, *_rnn_w, _rnn_h, _rnn_h, *_rnn_out[:3], torch.empty(0, dtype=torch.uint8)],
+        [["aten::mkldnn_rnn_layer_backward",
+          [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4), Slot(5), Slot(6), Slot(7), Slot(8),
+           Slot(9), Slot(7), Slot(8), Slot(9), False, 2, 4, 1, True, True, False, [], False,
+           Slot(10)], {}, 7]],
+    ),
+    "segment_reduce: fewer rows of lengths than data (segfault)": (
+        [torch.randn(3, 4), torch.tensor([[2, 2]])],
+        [["aten::segment_reduce", [Slot(0), "sum"], {"lengths": Slot(1), "axis": 1}, 1]],
+    ),
+    "segment_reduce_backward: fewer segments in output than lengths (read)": (
+        [torch.ones(1), torch.randn(1), torch.randn(6), torch.ones(6, dtype=LONG)],
+        [["aten::_segment_reduce_backward", [Slot(0), Slot(1), Slot(2), "sum"],
+          {"lengths": Slot(3)}, 1]],
+    ),
+    "ctc_loss_backward: a blank past the classes (segfault)": (
+        [torch.ones(2), _lp, _targets, _nll, _alpha],
+        [["aten::_ctc_loss_backward",
+          [Slot(0), Slot(1), Slot(2), [6, 6], [3, 3], Slot(3), Slot(4), 10**7, False], {}, 1]],
+    ),
+    "ctc_loss_backward: fewer target rows than the batch (segfault)": (
+        [torch.ones(2), _lp, torch.ones(1, 3, dtype=LONG), _nll, _alpha],
+        [["aten::_ctc_loss_backward",
+          [Slot(0), Slot(1), Slot(2), [6, 6], [3, 3], Slot(3), Slot(4), 0, False], {}, 1]],
+    ),
+    "native_group_norm_backward: N x C x HxW wrapping round (segfault)": (
+        [torch.randn(2, 4, 3), torch.randn(2, 4, 3), torch.zeros(2, 2), torch.ones(2, 2)],
+        [["aten::native_group_norm_backward",
+          [Slot(0), Slot(1), Slot(2), Slot(3), None, 2, 4, 2**62 + 3, 2, [True, True, True]],
+          {}, 3]],
+    ),
+    "native_batch_norm_backward: no statistics at all (segfault)": (
+        [torch.randn(2, 3, 4), torch.empty(0)],
+        [["aten::native_batch_norm_backward",
+          [Slot(0), Slot(0), None, None, None, Slot(1), Slot(1), False, 1e-5,
+           [True, True, True]], {}, 3]],
+    ),
+    "_embedding_bag: max of no bags, last offset included (segfault)": (
+        [torch.randn(10, 4), torch.tensor([1, 2, 3]), torch.tensor([0])],
+        [["aten::_embedding_bag", [Slot(0), Slot(1), Slot(2), False, 2, False, None, True], {},
+          4]],
+    ),
+    "_log_softmax_backward_data: a short output (read)": (
+        [torch.randn(2, 5), torch.zeros(2, 1)],
+        [["aten::_log_softmax_backward_data", [Slot(0), Slot(1), 1, torch.float32], {}, 1]],
     ),
 }  # fmt: skip
 
