@@ -17,6 +17,7 @@ comparisons.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -418,8 +419,16 @@ def _rnn_layer(arg: Arg) -> None:
             _shaped(arg(name), name, (steps, batch, hidden))
         for name in ("hy_", "cy_", "grad_hy", "grad_cy"):
             _sized(arg(name), name, batch * hidden)
-        if _numel(arg("workspace")) == 0:
-            raise KernelArgumentRefused("workspace is empty: pass the forward's")
+        for name in ("output", "hy_", "cy_", "grad_output", "grad_hy", "grad_cy"):
+            if (
+                arg(name) is not None and arg(name).dtype != input.dtype
+            ):  # (read as the input's dtype: a bf16 gradient
+                raise KernelArgumentRefused(f"{name} must be {input.dtype}")  # past its end)
+        workspace = arg("workspace")
+        size = _rnn_workspace_bytes(tuple(input.shape), hidden, input.dtype, bool(arg("reverse")),
+                                    bool(arg("has_biases")))  # fmt: skip
+        if workspace.dtype != torch.uint8 or workspace.numel() != size:
+            raise KernelArgumentRefused(f"workspace must be the forward's {size} bytes")
 
 
 # Kernels that read their tensors as if contiguous (an expanded `out` or `hx_` was read past
@@ -430,6 +439,26 @@ READ_AS_CONTIGUOUS = frozenset({"aten::_scaled_dot_product_flash_attention_for_c
                                 "aten::_segment_reduce_backward", "aten::unfold_backward",
                                 "aten::multi_margin_loss_backward", "aten::mkldnn_rnn_layer",
                                 "aten::mkldnn_rnn_layer_backward"})  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _rnn_workspace_bytes(
+    shape: tuple[int, ...], hidden: int, dtype: torch.dtype, reverse: bool, biases: bool
+) -> int:
+    """The size of the workspace oneDNN's LSTM forward makes for these sizes: a shorter one
+    (or one of a shorter sequence's forward) was read and written past. Found by running
+    the forward on zeros once per shape: oneDNN does not say."""
+    steps, batch, features = shape
+    zeros = torch.zeros
+    out = torch.ops.aten.mkldnn_rnn_layer(
+        zeros(steps, batch, features, dtype=dtype), zeros(4 * hidden, features, dtype=dtype),
+        zeros(4 * hidden, hidden, dtype=dtype), zeros(4 * hidden, dtype=dtype),
+        zeros(4 * hidden, dtype=dtype), zeros(1, batch, hidden, dtype=dtype),
+        zeros(1, batch, hidden, dtype=dtype), reverse, [], 2, hidden, 1, biases, False, False,
+        True,
+    )  # fmt: skip
+    return out[3].numel()
+
 
 CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::embedding": _embedding,

@@ -151,6 +151,21 @@ CASES = {
            Slot(9), Slot(7), Slot(8), Slot(9), False, 2, 4, 1, True, True, False, [], False,
            Slot(10)], {}, 7]],
     ),
+    "mkldnn_rnn_layer_backward: one byte of workspace (heap corruption)": (
+        [_rnn_in, *_rnn_w, _rnn_h, _rnn_h, *_rnn_out[:3], _rnn_out[3][:1].clone()],
+        [["aten::mkldnn_rnn_layer_backward",
+          [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4), Slot(5), Slot(6), Slot(7), Slot(8),
+           Slot(9), Slot(7), Slot(8), Slot(9), False, 2, 4, 1, True, True, False, [], False,
+           Slot(10)], {}, 7]],
+    ),
+    "mkldnn_rnn_layer_backward: a bfloat16 gradient read as float32 (read)": (
+        [_rnn_in, *_rnn_w, _rnn_h, _rnn_h, *_rnn_out[:3], _rnn_out[3],
+         _rnn_out[0].to(torch.bfloat16)],
+        [["aten::mkldnn_rnn_layer_backward",
+          [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4), Slot(5), Slot(6), Slot(7), Slot(8),
+           Slot(9), Slot(11), Slot(8), Slot(9), False, 2, 4, 1, True, True, False, [], False,
+           Slot(10)], {}, 7]],
+    ),
     "segment_reduce: fewer rows of lengths than data (segfault)": (
         [torch.randn(3, 4), torch.tensor([[2, 2]])],
         [["aten::segment_reduce", [Slot(0), "sum"], {"lengths": Slot(1), "axis": 1}, 1]],
