@@ -420,10 +420,9 @@ def _rnn_layer(arg: Arg) -> None:
         for name in ("hy_", "cy_", "grad_hy", "grad_cy"):
             _sized(arg(name), name, batch * hidden)
         for name in ("output", "hy_", "cy_", "grad_output", "grad_hy", "grad_cy"):
-            if (
-                arg(name) is not None and arg(name).dtype != input.dtype
-            ):  # (read as the input's dtype: a bf16 gradient
-                raise KernelArgumentRefused(f"{name} must be {input.dtype}")  # past its end)
+            t = arg(name)  # (read as the input's dtype: a bfloat16 gradient was read past)
+            if t is not None and t.dtype != input.dtype:
+                raise KernelArgumentRefused(f"{name} must be {input.dtype}")
         workspace = arg("workspace")
         size = _rnn_workspace_bytes(tuple(input.shape), hidden, input.dtype, bool(arg("reverse")),
                                     bool(arg("has_biases")))  # fmt: skip
