@@ -35,7 +35,7 @@ def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Arg:
     """`arg(name, default=None)`: the argument of `op`'s schema called `name` in this call
     (its schema's default where the call leaves it out; `default` where it has none, or
     the schema has no such argument)."""
-    schema = {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
+    schema = _schema_arguments(op)
 
     def arg(name: str, default: Any = None) -> Any:
         if name not in schema:
@@ -48,6 +48,13 @@ def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Arg:
         return argument.default_value if argument.has_default_value() else default
 
     return arg
+
+
+@functools.cache
+def _schema_arguments(op: torch._ops.OpOverload) -> dict[str, tuple[int, Any]]:
+    """{argument name: (position, schema argument)} of `op`, read once per op: the checks
+    run on every call of their ops (a batch norm in every training step)."""
+    return {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
 
 
 def checked_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> tuple[list, dict]:
@@ -77,7 +84,7 @@ def _in_range(t: Any, what: str, high: int, low: int = 0) -> None:
         return
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise KernelArgumentRefused(f"{what} must hold integer indices, not {t.dtype}")
-    least, most = int(t.min()), int(t.max())
+    least, most = (int(x) for x in torch.aminmax(t))  # (one pass)
     if least < low or most >= high:
         raise KernelArgumentRefused(
             f"{what} holds an index out of range: {least}..{most}, where {low}..{high - 1} "

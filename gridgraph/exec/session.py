@@ -104,7 +104,7 @@ class Host(Protocol):
 log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
-FOOTPRINTS_KEPT = 8  # per call step: footprints remembered, by its arguments' metadata
+FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by layouts
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
@@ -531,7 +531,7 @@ class Program:
         found = self._footprints.get(key)
         if found is None:
             found = self._footprints[key] = _footprint(self.steps, self.calls, inputs, params)
-            while len(self._footprints) > 8:
+            while len(self._footprints) > FOOTPRINTS_KEPT:
                 self._footprints.popitem(last=False)
         return found
 
