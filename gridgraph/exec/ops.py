@@ -48,14 +48,15 @@ def check_view(result: Any) -> None:
     not the tensor's, such as another client's tensor.
     """
     if isinstance(result, torch.Tensor):
-        _check_bounds(result)
+        check_bounds(result)
     elif isinstance(result, (tuple, list)):
         for r in result:
             if isinstance(r, torch.Tensor):
-                _check_bounds(r)
+                check_bounds(r)
 
 
-def _check_bounds(t: torch.Tensor) -> None:
+def check_bounds(t: torch.Tensor) -> None:
+    """`check_view` of one tensor."""
     if t.layout != torch.strided or not t.is_cpu:
         raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
     if t.is_contiguous():  # the common case, checked without walking sizes and strides:

@@ -76,7 +76,15 @@ from gridgraph.exec.limits import (
     meta_like,
     op_footprint,
 )
-from gridgraph.exec.ops import OpRefused, RandomState, check_view, resizes, resolve, runner
+from gridgraph.exec.ops import (
+    OpRefused,
+    RandomState,
+    check_bounds,
+    check_view,
+    resizes,
+    resolve,
+    runner,
+)
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs
@@ -546,7 +554,8 @@ class CompiledCall:
     """
 
     __slots__ = ("name", "op", "run", "resizes", "args", "kwargs", "fills", "outs", "writes",
-                 "report", "n_returns", "threads_matter_from", "_footprints")  # fmt: skip
+                 "report", "n_returns", "one_out", "threads_matter_from",
+                 "_footprints")  # fmt: skip
 
     def __init__(self, step: list) -> None:
         _, name, args, kwargs, outs, writes, report = step
@@ -557,6 +566,9 @@ class CompiledCall:
         self.threads_matter_from = intraop.threads_matter_from(self.op)
         self.outs, self.writes, self.report = outs, writes, report
         self.n_returns = len(outs) - len(writes)
+        # Its result, when a tensor, goes to one slot and nothing else changes (most calls):
+        # a run stores it without the general path's unpacking (`Run.call`).
+        self.one_out = len(outs) == 1 and not writes and not report and not self.resizes
         # (position or keyword, filler) for each argument that names a slot or parameter;
         # the other arguments are constants, shared with the template (see `_filler`).
         self.args = list(args)
@@ -797,12 +809,24 @@ class Run:
 
     def call(self, call: CompiledCall, work: float | None) -> list | None:
         """Run one call step; `work` None: its footprint is not known yet (see `footprint`)."""
-        name, outs, writes, report = call.name, call.outs, call.writes, call.report
         resolved, kw = call.arguments(self.value, self.params)
         if work is None:  # its inputs came during the run: check its footprint now
             work = self.check_footprint(call, resolved, kw)
-        intraop.use_threads_for(work, call.threads_matter_from)
+        if work >= call.threads_matter_from:
+            intraop.use_threads_for(work, call.threads_matter_from)
         result = call.run(self.s.rng, resolved, kw)
+        if call.one_out and type(result) is torch.Tensor:  # the common case, as below
+            check_bounds(result)
+            self.s.ops_run += 1
+            vid = self.slots[call.outs[0]]
+            self.s.store.put(vid, result)
+            self.created.append(vid)
+            return None
+        return self._take(call, resolved, kw, result)
+
+    def _take(self, call: CompiledCall, resolved: list, kw: dict, result: Any) -> list | None:
+        """Check and store what a call returned and wrote; its report, if it makes one."""
+        name, outs, writes, report = call.name, call.outs, call.writes, call.report
         if call.resizes:  # counted at once: what follows may fail, the growth stays
             self.s.store.recount(resolved[0])
         check_view(result)

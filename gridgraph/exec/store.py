@@ -23,14 +23,18 @@ class ObjectStore:
     def put(self, vid: int, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor):  # a bug upstream; never store anything else
             raise TypeError(f"only tensors are stored, not {type(tensor).__name__}")
-        self.free(vid)
+        if vid in self._objects:
+            self.free(vid)
         storage = tensor.untyped_storage()
-        entry = self._storages.setdefault(storage._cdata, [storage.nbytes(), 0])
-        if entry[1] == 0:
-            self.stored_bytes += entry[0]
-        else:
-            self.recount(tensor)
-        entry[1] += 1
+        key, nbytes = storage._cdata, storage.nbytes()
+        entry = self._storages.get(key)
+        if entry is None:
+            self._storages[key] = [nbytes, 1]
+            self.stored_bytes += nbytes
+        else:  # held already, maybe grown by a resize_ since: counted at its size now
+            self.stored_bytes += nbytes - entry[0]
+            entry[0] = nbytes
+            entry[1] += 1
         self._objects[vid] = tensor
 
     def recount(self, tensor: torch.Tensor) -> None:
