@@ -24,37 +24,11 @@ from typing import Any
 
 import torch
 
-Arg = Callable[..., Any]  # arg(name, default=None): a call's argument, by schema name
+from gridgraph.exec.arguments import Arg, argument_reader
 
 
 class KernelArgumentRefused(ValueError):
     """An op's arguments that its kernel would index or read past."""
-
-
-def argument_reader(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Arg:
-    """`arg(name, default=None)`: the argument of `op`'s schema called `name` in this call
-    (its schema's default where the call leaves it out; `default` where it has none, or
-    the schema has no such argument)."""
-    schema = _schema_arguments(op)
-
-    def arg(name: str, default: Any = None) -> Any:
-        if name not in schema:
-            return default
-        i, argument = schema[name]
-        if i < len(args):
-            return args[i]
-        if name in kwargs:
-            return kwargs[name]
-        return argument.default_value if argument.has_default_value() else default
-
-    return arg
-
-
-@functools.cache
-def _schema_arguments(op: torch._ops.OpOverload) -> dict[str, tuple[int, Any]]:
-    """{argument name: (position, schema argument)} of `op`, read once per op: the checks
-    run on every call of their ops (a batch norm in every training step)."""
-    return {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
 
 
 def checked_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> tuple[list, dict]:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.kernel_checks import argument_reader
+from gridgraph.exec.arguments import argument_reader, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30
@@ -207,9 +207,7 @@ def op_footprint(
     their real arguments by `data_dependent_footprint`) or the arguments do not fit (the
     real call will say so).
     """
-    inputs: list[torch.Tensor] = []
-    _tensors(args, inputs)
-    _tensors(list(kwargs.values()), inputs)
+    inputs = tensors_in(args, kwargs)
     storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in inputs}
     sizes = {key: storage.nbytes() for key, storage in storages.items()}
     try:
@@ -217,8 +215,7 @@ def op_footprint(
             result = op(*args, **kwargs)
     except Exception:
         return None
-    outputs: list[torch.Tensor] = []
-    _tensors([result], outputs)
+    outputs = tensors_in(result)
     shared = {t.untyped_storage()._cdata for t in inputs}
     new = {
         t.untyped_storage()._cdata: t.untyped_storage().nbytes()
@@ -242,9 +239,7 @@ def data_dependent_footprint(op: Any, args: list, kwargs: dict) -> tuple[int, fl
     boolean index) makes at most 32 bytes (a complex value, an index and a count) for each
     element of its largest argument, broadcast: elements, not storage bytes, as an expanded
     argument has many more. The work is an element of input or output each."""
-    tensors: list[torch.Tensor] = []
-    _tensors(args, tensors)
-    _tensors(list(kwargs.values()), tensors)
+    tensors = tensors_in(args, kwargs)
     try:
         elements = math.prod(torch.broadcast_shapes(*(t.shape for t in tensors)))
     except RuntimeError:  # (arguments that do not broadcast together)
@@ -484,11 +479,3 @@ def _inner_dim(name: str, inputs: list[torch.Tensor]) -> int:
     if name in ("aten::addmm", "aten::baddbmm", "aten::addbmm") and len(inputs) >= 3:
         return inputs[-1].shape[-2] if inputs[-1].dim() >= 2 else 1
     return inputs[-1].shape[-2] if inputs[-1].dim() >= 2 else inputs[-1].shape[0]
-
-
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    for a in obj:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            _tensors(a, out)
