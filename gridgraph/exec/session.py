@@ -60,6 +60,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any, Protocol
 
@@ -536,12 +537,9 @@ class Program:
             tuple(first.setdefault(id(t), s) for s, t in inputs.items()),  # (see _footprint)
             tuple(sorted((i, _param_key(p)) for i, p in params.items())),
         )
-        found = self._footprints.get(key)
-        if found is None:
-            found = self._footprints[key] = _footprint(self.steps, self.calls, inputs, params)
-            while len(self._footprints) > FOOTPRINTS_KEPT:
-                self._footprints.popitem(last=False)
-        return found
+        return _remembered(
+            self._footprints, key, lambda: _footprint(self.steps, self.calls, inputs, params)
+        )
 
 
 class CompiledCall:
@@ -583,26 +581,23 @@ class CompiledCall:
         run on meta tensors (limits.op_footprint); None when meta cannot tell (data-dependent
         ops).
 
-        Remembered per argument metadata (the latest FOOTPRINTS_KEPT), since a replayed
+        Remembered per argument metadata (the FOOTPRINTS_KEPT last used), since a replayed
         step's steps that read transferred tensors see the same metadata every time and a
         meta run costs more than most small ops do."""
         try:  # (the constant arguments are the same every run: the filled ones tell)
             key = tuple(
                 [_meta_key(args[w] if type(w) is int else kwargs[w]) for w, _ in self.fills]
             )
-            found = self._footprints.get(key, False)
+            hash(key)
         except TypeError:  # an argument that does not hash: work it out every time
-            key, found = None, False
-        if found is False:
-            meta_args = [_to_meta(a) for a in args]
-            meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
-            result = op_footprint(self.op, meta_args, meta_kw)
-            found = None if result is None else (sum(result[1].values()) + result[2], result[3])
-            if key is not None:
-                self._footprints[key] = found
-                if len(self._footprints) > FOOTPRINTS_KEPT:
-                    self._footprints.popitem(last=False)
-        return found
+            return self._meta_footprint(args, kwargs)
+        return _remembered(self._footprints, key, lambda: self._meta_footprint(args, kwargs))
+
+    def _meta_footprint(self, args: list, kwargs: dict) -> tuple[int, float] | None:
+        meta_args = [_to_meta(a) for a in args]
+        meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
+        result = op_footprint(self.op, meta_args, meta_kw)
+        return None if result is None else (sum(result[1].values()) + result[2], result[3])
 
     def arguments(self, value: Any, params: dict) -> tuple[list, dict]:
         """This call's (args, kwargs) for one run: `value(slot)` gives a slot's tensor."""
@@ -613,6 +608,18 @@ class CompiledCall:
             else:
                 kwargs[where] = fill(value, params)
         return args, kwargs
+
+
+def _remembered(cache: OrderedDict, key: Any, work_out: Callable[[], Any]) -> Any:
+    """`cache[key]`, from `work_out()` when missing; the FOOTPRINTS_KEPT entries last used
+    stay (a program whose steps see a few layouts in turn keeps each of them)."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = work_out()
+    if len(cache) > FOOTPRINTS_KEPT:
+        cache.popitem(last=False)
+    return value
 
 
 def _has_ref(a: Any) -> bool:

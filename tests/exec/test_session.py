@@ -183,6 +183,29 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
         assert len(meta_runs) == 2  # a new layout: worked out anew
 
 
+def test_a_call_keeps_the_footprints_it_used_last_not_the_first_it_met(monkeypatch):
+    # A step that sees one layout every other run, and others in between, keeps that one.
+    meta_runs = []
+    footprint = session.op_footprint
+    monkeypatch.setattr(session, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
+    call = session.CompiledCall(hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]))
+    usual = torch.randn(4)
+    others = [torch.randn(5 + i) for i in range(session.FOOTPRINTS_KEPT)]
+
+    def check(x: torch.Tensor) -> tuple:
+        return call.footprint([x, x], {})
+
+    first = check(usual)
+    for x in others[:-1]:  # the cache is full now
+        check(x)
+    assert check(usual) == first  # remembered: used again now
+    check(others[-1])  # one more layout: the one used longest ago goes, not `usual`
+    runs = len(meta_runs)
+    assert check(usual) == first
+    assert len(meta_runs) == runs  # no meta run: still remembered
+    assert meta_runs and runs == session.FOOTPRINTS_KEPT + 1
+
+
 def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():
     state = session.Session("alice/s", "alice")
     key = (1, 11, "w1")  # run 1, value 11, from worker w1
