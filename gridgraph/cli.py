@@ -110,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="run each client session's programs in a process of its own (default: on)",
+        help="run each client session's programs in a process of its own (default: on; "
+        "--no-isolate only for clients you trust: a kernel crash then ends the whole worker)",
     )
     worker.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
