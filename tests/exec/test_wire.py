@@ -168,6 +168,33 @@ def test_memory_growth_at_decode_is_bounded():
         assert growth < 100 * wire.MAX_HEADER_BYTES, f"grew by {growth / 2**20:.0f} MiB"
 
 
+def test_decoding_a_header_of_many_containers_sets_off_no_garbage_collection():
+    # A header of many small containers (1 byte each on the wire) made the collector walk
+    # the whole heap again and again, holding the lock on the thread messages arrive on.
+    payload = wire.encode({"kind": "ping", "pad": [[]] * 200_000})
+    collections = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        assert len(wire.decode(payload)["pad"]) == 200_000
+    finally:
+        gc.callbacks.remove(count)
+    # (before: 285, two over the whole heap; now at most the one its allocations set off once
+    # the collector is back on, over the young objects)
+    assert len(collections) <= 1 and 2 not in collections
+    assert gc.isenabled()  # on again after
+    gc.disable()
+    try:
+        wire.decode(payload)
+        assert not gc.isenabled()  # and left off where the program turned it off
+    finally:
+        gc.enable()
+
+
 def test_a_dtype_the_receiver_would_refuse_is_refused_when_sending():
     # complex32 went out as an argument, the worker dropped the message, the client waited.
     with pytest.raises(wire.WireError, match="complex32 cannot be sent"):
