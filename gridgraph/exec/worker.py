@@ -240,11 +240,12 @@ class Worker:
                 rec.sent_at = arrived
                 self._outbox.put((reply_to, reply, None))
                 return
-            # One that arrives behind another waiting one is kept as received, decoded when
-            # served: decoded, a message of many small tensors holds tens of times its
-            # bytes. One that finds the queue empty (a client's next step, sent as its last
-            # one's reply goes out) stays decoded: decoded once.
-            session.queue.append((None if session.queue else msg, arrived, payload))
+            # One that arrives while another waits or runs is kept as received, decoded when
+            # served: decoded, a header of many small containers holds some 70 times its
+            # bytes, and its session is charged the bytes received. One that finds the
+            # session idle (a client's next step, sent once its last reply came) stays
+            # decoded: decoded once, and served at once.
+            session.queue.append((None if session.busy else msg, arrived, payload))
             session.queued_bytes += len(payload)
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
@@ -256,7 +257,31 @@ class Worker:
         )
         with self._lock:  # (the ones that ended are dropped here)
             self._serving = {t for t in self._serving if t.is_alive()} | {thread}
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had (the process is at its limit)
+            with self._lock:
+                self._serving.discard(thread)
+            error = f"worker {self.name} could not start a thread to serve this session: {e}"
+            self._fail_queued(session, RequestError(error))
+
+    def _fail_queued(self, session: Session, error: Exception) -> None:
+        """Answer every request waiting in `session`'s queue with `error`, none of them run,
+        and leave the session ready for its next request."""
+        with session.cv:
+            waiting = list(session.queue)
+            session.queue.clear()
+            session.queued_bytes = 0
+            session.busy = session.serving = False
+        for msg, _, payload in waiting:
+            msg = msg if msg is not None else wire.decode(payload)  # (checked when it came)
+            reply = self._error_reply(msg["id"], error)
+            with session.cv:
+                rec = session.records.get(msg["id"])
+                if rec is not None:
+                    session.replied(rec, reply)
+                    rec.sent_at = time.monotonic()
+            self._outbox.put((msg["reply_to"], reply, None))
 
     def _over_rate(self) -> LimitExceeded:
         return LimitExceeded(

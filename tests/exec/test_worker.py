@@ -309,3 +309,46 @@ def test_a_request_that_races_its_sessions_end_gets_an_error_reply(local_grid):
         session.closed = True
     reply = peer.request("w0", {"kind": "ping"})
     assert not reply["ok"] and "session ended" in reply["error"]["message"], reply
+
+
+def test_a_session_whose_thread_cannot_start_gets_an_error_and_is_served_later(monkeypatch):
+    # With the process out of threads, the request that needed one was queued and never
+    # answered, and every later request of its session queued behind it for good.
+    start = threading.Thread.start
+    refused = []
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("w0-") and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid)
+        monkeypatch.setattr(threading.Thread, "start", start_or_refuse)  # (a session's next)
+        reply = peer.request("w0", {"kind": "ping"}, timeout=5)
+        assert refused and not reply["ok"]
+        assert "could not start a thread" in reply["error"]["message"]
+        assert peer.request("w0", {"kind": "ping"}, timeout=5)["ok"]  # threads back: served
+
+
+def test_a_request_that_comes_while_its_session_runs_another_waits_as_received():
+    # Kept decoded, a header of many small containers holds some 70 times the bytes its
+    # session is charged for it: one waiting behind a run blocked in a recv held 73 MiB
+    # under an 8 MiB limit.
+    with gg.local_grid(2) as grid:
+        peer = Peer(grid)
+        waits = hostile.run([["recv", [0], "w1"]], [1], peers={"w1": "w1"})  # never sent
+        blocked = peer.send("w0", waits)
+        session = grid.local_workers[0].sessions
+        deadline = time.monotonic() + 5
+        while "mallory/s" not in session or session["mallory/s"].queue:  # until it runs
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ping = peer.send("w0", {"kind": "ping", "pad": [[]] * 1000})
+        with session["mallory/s"].cv:
+            ((kept, _, payload),) = session["mallory/s"].queue
+            assert kept is None and session["mallory/s"].queued_bytes == len(payload)
+        peer.send("w0", {"kind": "abort", "run": 1, "session": "s"})
+        assert not peer.reply(blocked)["ok"]
+        assert peer.reply(ping)["ok"]  # decoded when served
