@@ -113,6 +113,7 @@ class Host(Protocol):
 log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
+CALL_STEP_BYTES = 1024  # a prepared call step (CompiledCall), about; see held_bytes
 FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by layouts
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
@@ -505,7 +506,9 @@ class Program:
             raise RequestError("a program is a list of stages, each a list of steps")
         self.steps = [step for stage in stages for step in stage]
         self.n_slots = n_slots
-        self.nbytes = nbytes  # what keeping it costs its session, roughly
+        # What keeping it costs its session, roughly: its decoded steps, not the bytes it
+        # came in (an empty list is 1 byte on the wire and 64 in memory).
+        self.nbytes = max(nbytes, held_bytes(self.steps))
         self.params: set[int] = set()
         defined: set[int] = set()
         self.inputs: list[int] = []  # slots read before the program defines them
@@ -608,6 +611,26 @@ class CompiledCall:
             else:
                 kwargs[where] = fill(value, params)
         return args, kwargs
+
+
+def held_bytes(value: Any) -> int:
+    """Bytes a decoded message value holds, roughly: each container its own size and a
+    pointer per element, each string its length, and a prepared call step (its fillers
+    and template) CALL_STEP_BYTES."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        t = type(v)
+        if t is list or t is dict:
+            total += 64 + 8 * len(v)
+            stack.extend(v.values() if t is dict else v)
+            if t is list and v and v[0] == "call":
+                total += CALL_STEP_BYTES
+        elif t is str or t is bytes:
+            total += 49 + len(v)
+        else:
+            total += 32
+    return total
 
 
 def _remembered(cache: OrderedDict, key: Any, work_out: Callable[[], Any]) -> Any:

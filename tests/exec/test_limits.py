@@ -820,3 +820,18 @@ def test_a_pool_is_checked_against_the_time_limit_by_its_kernels_elements():
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 3]))
         assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+
+
+def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
+    # An empty list is 1 byte on the wire and 64 in memory: a program of 200,000 of them,
+    # 200 kB as sent, held 13 MB, charged its 200 kB (64 such programs are kept a session).
+    bloated = hostile.call("aten::sum.dim_IntList", [Slot(0), [[]] * 200_000], [1])
+    with gg.local_grid(1, limits=Limits(max_client_memory=4 << 20)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
+        reply = peer.request("w0", hostile.run([bloated], [1, 2]))
+        assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
+        assert grid.local_workers[0].sessions["mallory/s"].programs == {}  # not kept
+        honest = hostile.call("aten::sum.dim_IntList", [Slot(0), [0]], [1])
+        reply = peer.request("w0", hostile.run([honest, ["return", 1]], [1, 2], plan=2))
+        assert reply["ok"] and reply["returns"][0][1].item() == 3.0
