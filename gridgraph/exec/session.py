@@ -16,7 +16,9 @@ reset any of it:
     inbox      transfers other workers sent it, by (run, first value id, sending worker) and
                the identity that sent each (the transport's authenticated sender), each as
                received: decoded only when a run takes it (decoded, a message of many small
-               tensors holds tens of times its bytes)
+               tensors holds tens of times its bytes). Charged to the session when its
+               sender is a worker identity one of its runs named (`named`), else to the
+               sender (worker.py)
     queue      its requests waiting to run, in arrival order; their bytes (`queued_bytes`)
                stay under the memory limit on their own (worker.py refuses one past it), and
                one that came while others waited is kept as received, decoded when served
@@ -113,6 +115,7 @@ class Host(Protocol):
 log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
+NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
 CALL_STEP_BYTES = 1024  # a prepared call step (CompiledCall), about; see held_bytes
 FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by layouts
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
@@ -184,6 +187,12 @@ class Session:
         self.sent: OrderedDict[tuple[int, int, str], tuple[str, bytes]] = OrderedDict()
         # (run, first value id, sending worker) -> sender's identity -> the message received
         self.inbox: dict[tuple[int, int, str], dict[str, bytes]] = {}
+        # Identities its runs named as workers (`peers`), the NAMED_KEPT latest: what they
+        # send it is its own data, charged to it. What others send is charged to its sender
+        # (worker.py): no one else's transfers use up this session's memory.
+        self.named: OrderedDict[str, None] = OrderedDict()
+        self.stray: set[tuple[tuple[int, int, str], str]] = set()  # (key, sender) not named
+        self.release_stray: Callable[[str, int], None] = lambda sender, nbytes: None
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         # (request, or None until served if it came while others waited; arrival; payload)
@@ -262,18 +271,33 @@ class Session:
             _, (_, dropped) = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
-    def deliver(self, key: tuple[int, int, str], sender: str, payload: bytes) -> None:
+    def name_workers(self, identities: Any) -> None:
+        """Identities a run of this session named for its workers (checked to be strings)."""
+        for identity in identities:
+            self.named[identity] = None
+            self.named.move_to_end(identity)
+        while len(self.named) > NAMED_KEPT:
+            self.named.popitem(last=False)
+
+    def deliver(
+        self, key: tuple[int, int, str], sender: str, payload: bytes, stray: bool = False
+    ) -> bool:
         """A transfer message arrived from identity `sender` (`payload` as received, checked);
         wake a waiting recv. Kept per sender: one from another identity cannot take its
-        place."""
+        place. `stray`: from an identity no run of the session named, charged to that
+        sender (the caller did) and not to the session. False if it was not kept."""
         with self.cv:
             got = self.inbox.get(key, {})
             if key in self.received or sender in got or self.closed:
-                return  # ipfs: a resent copy of one already here or used
+                return False  # ipfs: a resent copy of one already here or used
             got[sender] = payload
             self.inbox[key] = got
-            self._inbox_bytes += len(payload) + TRANSFER_BYTES
+            if stray:
+                self.stray.add((key, sender))
+            else:
+                self._inbox_bytes += len(payload) + TRANSFER_BYTES
             self.cv.notify_all()
+            return True
 
     def inbox_fits(self, payload: bytes, cap: int | None) -> bool:
         """Whether keeping `payload` in the inbox (charged as `deliver` charges it) leaves
@@ -288,8 +312,9 @@ class Session:
         """Remove and return identity `sender`'s transfer `key` as received, and drop the
         ones other identities sent under that key (the caller holds `cv`)."""
         got = self.inbox.pop(key)
+        for who, p in got.items():
+            self._uncharge(key, who, p)
         payload = got.pop(sender)
-        self._inbox_bytes -= sum(len(p) + TRANSFER_BYTES for p in (payload, *got.values()))
         for other in got:
             log.warning("client %s: dropped a transfer claiming to come from %s: sent by %s, "
                         "not by the identity its run names", self.key, key[2], other)  # fmt: skip
@@ -297,6 +322,14 @@ class Session:
         while len(self.received) > TRANSFERS_KEPT:
             self.received.popitem(last=False)
         return payload
+
+    def _uncharge(self, key: tuple[int, int, str], sender: str, payload: bytes) -> None:
+        """Stop charging a transfer that leaves the inbox, to whoever it was charged to."""
+        if (key, sender) in self.stray:
+            self.stray.discard((key, sender))
+            self.release_stray(sender, len(payload) + TRANSFER_BYTES)
+        else:
+            self._inbox_bytes -= len(payload) + TRANSFER_BYTES
 
     def abort(self, run: Any) -> None:
         if type(run) is not int:
@@ -323,6 +356,9 @@ class Session:
         """Free everything this session holds; returns the number of tensors freed."""
         with self.cv:
             self.closed = True
+            for key, got in self.inbox.items():
+                for sender, payload in got.items():
+                    self._uncharge(key, sender, payload)
             self.inbox.clear()
             self.cv.notify_all()
         n = self.store.clear()

@@ -15,6 +15,9 @@ State:
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
     rate       a token bucket per peer (limits.py)
+    stray      per sender identity, the bytes of its transfers kept for sessions whose runs
+               never named it: charged to it (up to `max_client_memory`), not to them, so
+               no one's transfers use up another client's memory
     serving    the sessions' serving threads still running; `close` waits for them
 
 Policy:
@@ -48,7 +51,8 @@ Policy:
       IPFS sealed for it), a kept transfer is resent only when that identity asks (within
       its request rate), and a request to resend goes to the identity the run names too. A
       transfer is kept in the inbox of the session it names, with its sender's identity,
-      counted against that session's memory (one over it is kept as a small error in its
+      counted against that session's memory if one of its runs named the sender, else
+      against the sender's `stray` budget (one over either is kept as a small error in its
       place, so that a run waiting for it fails naming the limit; dropped when not even that
       fits), and a run takes it only from the identity it names for the sending worker
       (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
@@ -65,7 +69,13 @@ import time
 from collections.abc import Callable
 
 from gridgraph.exec import executor, wire
-from gridgraph.exec.limits import LimitExceeded, Limits, RateLimiter, format_size
+from gridgraph.exec.limits import (
+    TRANSFER_BYTES,
+    LimitExceeded,
+    Limits,
+    RateLimiter,
+    format_size,
+)
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -129,6 +139,9 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
+        # sender identity -> bytes of its transfers kept for sessions whose runs never named
+        # it (under _lock): charged to it, up to the client memory limit, not to them
+        self._stray: dict[str, int] = {}
         self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
@@ -305,6 +318,7 @@ class Worker:
             self._make_room(peer, opened_by)
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
+                session.release_stray = self._release_stray
             session.opened_by = opened_by
             return session
 
@@ -353,14 +367,20 @@ class Worker:
             msg = {"error": "a transfer must carry one tensor per value id, each id once, or "
                    "an error"}  # fmt: skip
             payload = b""
+        # Charged to the session if one of its runs named the sender, else to the sender.
+        stray = sender not in session.named
         cap = self.limits.max_client_memory
-        if not session.inbox_fits(payload, cap):
+
+        def fits(p: bytes) -> bool:
+            return self._charge_stray(sender, p) if stray else session.inbox_fits(p, cap)
+
+        if not fits(payload):
             msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
             payload = b""
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
-            if not session.inbox_fits(payload, cap):
+            if not fits(payload):
                 # Not even the error fits: kept, errors under keys no run takes would grow
                 # the inbox past the limit without bound. A run waiting for it times out.
                 log.warning("%s: dropped a transfer for %s: its memory limit is reached",
@@ -368,7 +388,28 @@ class Worker:
                 return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
-        session.deliver(key, sender, payload)
+        if not session.deliver(key, sender, payload, stray) and stray:
+            self._release_stray(sender, len(payload) + TRANSFER_BYTES)
+
+    def _charge_stray(self, sender: str, payload: bytes) -> bool:
+        """Charge `sender` for keeping `payload` in the inbox of a session whose runs never
+        named it; False if that would take its stray transfers past the client memory
+        limit (one client's budget, as for a session of its own)."""
+        cost, cap = len(payload) + TRANSFER_BYTES, self.limits.max_client_memory
+        with self._lock:
+            held = self._stray.get(sender, 0)
+            if cap is not None and held + cost > cap:
+                return False
+            self._stray[sender] = held + cost
+            return True
+
+    def _release_stray(self, sender: str, nbytes: int) -> None:
+        with self._lock:
+            left = self._stray.get(sender, 0) - nbytes
+            if left > 0:
+                self._stray[sender] = left
+            else:
+                self._stray.pop(sender, None)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
@@ -444,6 +485,9 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, msg["reply_to"], reply, counted=True)
             return
+        peers = msg.get("peers")
+        if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
+            session.name_workers(p for p in peers.values() if isinstance(p, str))
         if not self.isolate or session.executor is None and kind in ("ping", "free", "stats"):
             # (before its executor starts, a session holds nothing: these need none)
             reply = answer(self, session, msg, len(payload))

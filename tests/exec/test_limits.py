@@ -361,7 +361,8 @@ def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
             transfer = {"kind": "transfer", "client": "mallory/s", "run": run_id, "src": "w1",
                         "values": list(range(16_000)), "tensors": empties}  # fmt: skip
             peer.publish("w0", wire.encode(transfer))
-        assert grid.local_workers[0].sessions["mallory/s"].memory() > 5 * 16_000 * 14
+        charged = grid.local_workers[0]._stray["mallory"]  # (no run of the session named it)
+        assert charged > 5 * 16_000 * 14
         assert _tensors_alive() - before < 16_000
 
 
@@ -835,3 +836,23 @@ def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
         honest = hostile.call("aten::sum.dim_IntList", [Slot(0), [0]], [1])
         reply = peer.request("w0", hostile.run([honest, ["return", 1]], [1, 2], plan=2))
         assert reply["ok"] and reply["returns"][0][1].item() == 3.0
+
+
+def test_transfers_from_identities_no_run_named_are_charged_to_their_sender():
+    # Another peer's transfers, under keys no run of the victim takes, were charged to the
+    # victim until its bye: the victim's own 64-byte put was then refused over its limit.
+    cap = 1 << 20
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+        victim, attacker = Peer(grid, "alice"), Peer(grid, "mallory")
+        assert victim.request("w0", {"kind": "ping"})["ok"]
+        for vid in range(1, 40):  # 64 kB each: 2.5 MB in all, over one client's budget
+            transfer = {"kind": "transfer", "client": "alice/s", "run": 10**9, "src": "w1",
+                        "values": [vid], "tensors": [torch.zeros(cap // 64)]}  # fmt: skip
+            attacker.publish("w0", wire.encode(transfer))
+        put = {"kind": "put", "values": [[1, torch.ones(cap // 8)]]}  # half its budget
+        assert victim.request("w0", put)["ok"]
+        worker = grid.local_workers[0]
+        assert worker.sessions["alice/s"].memory() < cap * 3 // 4
+        assert cap // 2 < worker._stray["mallory"] <= cap  # the sender's budget, no more
+        assert victim.request("w0", {"kind": "bye"})["ok"]
+        assert "mallory" not in worker._stray  # released with the inbox that kept them
