@@ -262,12 +262,21 @@ class Session:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def keep_sent(self, key: tuple[int, int, str], peer: str, payload: bytes) -> None:
-        """Keep a transfer this session sent to identity `peer`, for a resend (ipfs)."""
+    def keep_sent(
+        self, key: tuple[int, int, str], peer: str, payload: bytes, cap: int | None = None
+    ) -> None:
+        """Keep a transfer this session sent to identity `peer`, for a resend (ipfs): the
+        TRANSFERS_KEPT latest, within the room the rest of the session's memory leaves
+        under `cap` (None: no limit). The oldest go first; one larger than that room is not
+        kept (it cannot be sent again)."""
         _, old = self.sent.pop(key, ("", b""))
-        self._sent_bytes += len(payload) - len(old)
+        self._sent_bytes -= len(old)
+        room = None if cap is None else cap - (self.memory() - self._sent_bytes)
+        if room is not None and len(payload) > room:
+            return
         self.sent[key] = (peer, payload)
-        while len(self.sent) > TRANSFERS_KEPT:
+        self._sent_bytes += len(payload)
+        while len(self.sent) > TRANSFERS_KEPT or room is not None and self._sent_bytes > room:
             _, (_, dropped) = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
