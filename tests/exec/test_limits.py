@@ -856,3 +856,21 @@ def test_transfers_from_identities_no_run_named_are_charged_to_their_sender():
         assert cap // 2 < worker._stray["mallory"] <= cap  # the sender's budget, no more
         assert victim.request("w0", {"kind": "bye"})["ok"]
         assert "mallory" not in worker._stray  # released with the inbox that kept them
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "executor"])
+def test_transfers_kept_for_resending_stay_within_the_memory_limit(isolate):
+    # One expanded 4-byte tensor sent to many made-up workers: each transfer is its full
+    # 4 MiB once encoded, and the worker kept them all for resends (150 of 16 MiB: 2.4 GB
+    # under a 64 MiB limit), while the run ran and after.
+    cap = 8 << 20
+    sends = [hostile.call("aten::expand", [Slot(0), [1 << 20]], [1])]
+    sends += [["send", [1], f"d{i}"] for i in range(12)]
+    peers = {f"d{i}": "nobody" for i in range(12)}
+    with gg.local_grid(1, limits=Limits(max_client_memory=cap), isolate=isolate) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]})["ok"]
+        assert peer.request("w0", run(sends, [1, 2], peers=peers), timeout=60)["ok"]
+        session = grid.local_workers[0].sessions["mallory/s"]
+        assert 0 < len(session.sent) < 12  # the latest kept, as many as fit
+        assert session.memory() <= cap
