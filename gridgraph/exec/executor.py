@@ -69,6 +69,7 @@ log = logging.getLogger("gridgraph.executor")
 
 KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is killed
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
+HANDLE_WAIT = 5.0  # seconds a frame's memfd may lag behind it
 FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
 
 
@@ -129,13 +130,17 @@ class Executor:
                     seconds = worker.limits.max_request_seconds
                     self._end(f"it ran past the time limit of {seconds:g} s and was killed")
                 frame, data = _receive(self.conn, self.max_data)
-                if frame[0] == "reply" and len(frame) == 2 and type(frame[1]) is int:
+                # Every frame is checked: a kernel bug may have handed the client's program
+                # the executor, and then it sends whatever it likes.
+                if frame[0] == "reply" and len(frame) == 2 and _count(frame[1]):
                     session.elsewhere = frame[1]  # what the executor holds now
                     return data
-                if frame[0] == "transfer" and len(frame) == 5:
+                if frame[0] == "transfer" and len(frame) == 5 and data is not None:
                     _, dst, peer, run, value = frame
+                    if not (_count(run) and _count(value)):
+                        self._end(f"it sent a malformed frame {frame!r:.60}")
                     worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
-                elif frame[0] == "recv" and len(frame) == 6:
+                elif frame[0] == "recv" and len(frame) == 6 and _recv_frame(frame):
                     self._recv(worker, session, frame, kill_at)
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
@@ -143,6 +148,7 @@ class Executor:
             self._end(self._cause())
 
     def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
+        """Answer a `recv` frame (checked by `_recv_frame`) with the transfer it waits for."""
         _, run, value, src, peer, seconds = frame
         key = (int(run), int(value), str(src))
         deadline = min(time.monotonic() + float(seconds), kill_at)
@@ -180,6 +186,25 @@ class Executor:
         self.conn.close()
 
 
+def _count(v: object) -> bool:
+    """Whether `v` is a non-negative int: a byte count, a run or a value id."""
+    return type(v) is int and v >= 0
+
+
+def _recv_frame(frame: list) -> bool:
+    """Whether a `recv` frame names a run, a value id and two names, and waits a finite,
+    non-negative number of seconds (a NaN made its wait spin on the lock for ever)."""
+    _, run, value, src, peer, seconds = frame
+    return (
+        _count(run)
+        and _count(value)
+        and isinstance(src, str)
+        and isinstance(peer, str)
+        and type(seconds) in (int, float)
+        and 0 <= seconds < math.inf
+    )
+
+
 # --- framing ---------------------------------------------------------------------------------
 
 
@@ -210,8 +235,10 @@ def _receive(conn: Connection, max_data: int) -> tuple[list, bytearray | None]:
     last = frame.pop()
     if isinstance(last, bytes):
         return frame, bytearray(last)
-    if type(last) is not int or not 0 <= last <= max_data:
+    if type(last) is not int or not INLINE_MAX < last <= max_data:  # (less rides inline)
         raise ValueError(f"data of {last!r} bytes")
+    if not conn.poll(HANDLE_WAIT):  # its memfd follows the frame at once, if it comes at all
+        raise ValueError("a frame announced shared data that did not come")
     fd = reduction.recv_handle(conn)
     try:
         data = bytearray(last)

@@ -6,16 +6,21 @@ worker` does on IPFS; every value is compared with plain torch.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
+import msgpack
 import pytest
 import torch
 from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
+from gridgraph.exec import executor
 from gridgraph.exec.limits import Limits
+from gridgraph.exec.session import Session
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +95,59 @@ def test_a_single_op_past_the_time_limit_is_killed_and_ends_only_its_session():
         assert time.monotonic() - start < 30
         assert torch.equal((ok * 3).get(), a * 3)
         other.close()
+
+
+class _Taken:
+    """The process of an executor that a kernel bug handed to its client's program: it
+    sends whatever frames it likes (here, the test's)."""
+
+    exitcode = None
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        ["reply", -(2**62), b"x"],  # it would hold less than nothing: any inbox fitted
+        ["recv", 1, 1, "w1", "w1", float("nan")],  # its wait spun on the lock for ever
+        ["recv", 1, 1, "w1", "w1", float("inf")],
+        ["recv", 1, 1, "w1", 5, 1.0],
+        ["transfer", "w1", "w1", -1, 0, b"x"],
+        ["transfer", "w1", "w1", 1, 0],  # no data
+        ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, no memfd: hung
+    ],
+    ids=[
+        "negative-held",
+        "nan-wait",
+        "endless-wait",
+        "unnamed-peer",
+        "negative-run",
+        "no-data",
+        "no-memfd",
+    ],  # fmt: skip
+)
+def test_every_frame_from_a_taken_over_executor_is_checked(frame):
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        session = Session("mallory/s", "mallory")
+        handle = executor.Executor.__new__(executor.Executor)  # the network process's end
+        handle.conn, taken = multiprocessing.Pipe(duplex=True)
+        handle.process, handle.lost, handle.max_data = _Taken(), None, 1 << 20
+        taken.send_bytes(msgpack.packb(frame))
+        outcome = []
+
+        def serve() -> None:
+            try:
+                handle.request(b"", 0, grid.local_workers[0], session)
+            except executor.ExecutorLost as e:
+                outcome.append(str(e))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        thread.join(executor.HANDLE_WAIT + 10)
+        assert not thread.is_alive() and outcome, "the network process is still serving it"
+        assert session.elsewhere == 0 and session.memory() >= 0
