@@ -114,9 +114,14 @@ class Executor:
         self.process.start()
         child.close()
         self.lost: str | None = None
-        # Data from the executor larger than this is refused: a reply holds at most the
-        # client's memory, and a transfer at most a message.
-        self.max_data = max(limits.max_message_bytes, limits.max_client_memory or 0, 1 << 30)
+        # Data from the executor larger than this is refused, by frame: a transfer holds at
+        # most a message, and a reply at most the client's memory (its returns are counted
+        # there before the run) and a header.
+        cap = limits.max_client_memory
+        self.max_data = {
+            "transfer": limits.max_message_bytes,
+            "reply": math.inf if cap is None else cap + (1 << 20),
+        }
 
     def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
         """Serve one request in the executor: its reply. Raises ExecutorLost."""
@@ -225,8 +230,9 @@ def _send(conn: Connection, frame: list, data: bytes | bytearray | None = None) 
             os.close(fd)
 
 
-def _receive(conn: Connection, max_data: int) -> tuple[list, bytearray | None]:
-    """A frame and its data (None if it carries none)."""
+def _receive(conn: Connection, max_data: dict[str, float]) -> tuple[list, bytearray | None]:
+    """A frame and its data (None if it carries none), the data at most `max_data` of its
+    kind of frame (no limit for a kind not there)."""
     frame = msgpack.unpackb(conn.recv_bytes(FRAME_MAX))
     if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
         raise ValueError("malformed frame")
@@ -235,7 +241,8 @@ def _receive(conn: Connection, max_data: int) -> tuple[list, bytearray | None]:
     last = frame.pop()
     if isinstance(last, bytes):
         return frame, bytearray(last)
-    if type(last) is not int or not INLINE_MAX < last <= max_data:  # (less rides inline)
+    limit = max_data.get(frame[0], math.inf)
+    if type(last) is not int or not INLINE_MAX < last <= limit:  # (less rides inline)
         raise ValueError(f"data of {last!r} bytes")
     if not conn.poll(HANDLE_WAIT):  # its memfd follows the frame at once, if it comes at all
         raise ValueError("a frame announced shared data that did not come")
@@ -271,7 +278,7 @@ class _ExecutorHost:
         run, value, src = key
         seconds = max(0.0, deadline - time.monotonic())
         _send(self.conn, ["recv", run, value, src, peer, seconds])
-        frame, data = _receive(self.conn, math.inf)
+        frame, data = _receive(self.conn, {})
         if frame[0] == "recv-ok":
             return wire.decode(data)
         if frame[0] == "recv-error" and frame[1] == "upstream":
@@ -289,7 +296,7 @@ def _executor_main(
     host = _ExecutorHost(conn, name, limits, recv_timeout)
     while True:
         try:
-            frame, data = _receive(conn, math.inf)
+            frame, data = _receive(conn, {})
         except EOFError:
             return
         if frame[0] != "request":

@@ -120,6 +120,7 @@ class _Taken:
         ["transfer", "w1", "w1", -1, 0, b"x"],
         ["transfer", "w1", "w1", 1, 0],  # no data
         ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, no memfd: hung
+        ["transfer", "w1", "w1", 1, 0, 1 << 30],  # over a message: read, kept, 1 GiB each
     ],
     ids=[
         "negative-held",
@@ -129,14 +130,16 @@ class _Taken:
         "negative-run",
         "no-data",
         "no-memfd",
-    ],  # fmt: skip
+        "over-a-message",
+    ],
 )
 def test_every_frame_from_a_taken_over_executor_is_checked(frame):
     with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
         session = Session("mallory/s", "mallory")
         handle = executor.Executor.__new__(executor.Executor)  # the network process's end
         handle.conn, taken = multiprocessing.Pipe(duplex=True)
-        handle.process, handle.lost, handle.max_data = _Taken(), None, 1 << 20
+        handle.process, handle.lost = _Taken(), None
+        handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
         taken.send_bytes(msgpack.packb(frame))
         outcome = []
 
