@@ -114,14 +114,7 @@ class Executor:
         self.process.start()
         child.close()
         self.lost: str | None = None
-        # Data from the executor larger than this is refused, by frame: a transfer holds at
-        # most a message, and a reply at most the client's memory (its returns are counted
-        # there before the run) and a header.
-        cap = limits.max_client_memory
-        self.max_data = {
-            "transfer": limits.max_message_bytes,
-            "reply": math.inf if cap is None else cap + (1 << 20),
-        }
+        self.max_data = data_limits(limits)
 
     def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
         """Serve one request in the executor: its reply. Raises ExecutorLost."""
@@ -189,6 +182,17 @@ class Executor:
             self.process.kill()
         self.process.join(2.0)
         self.conn.close()
+
+
+def data_limits(limits: Limits) -> dict[str, float]:
+    """The most data the network process reads with each kind of frame from an executor: a
+    transfer holds at most a message, and a reply at most the client's memory (its returns
+    are counted there before the run) and a header."""
+    cap = limits.max_client_memory
+    return {
+        "transfer": limits.max_message_bytes,
+        "reply": math.inf if cap is None else cap + (1 << 20),
+    }
 
 
 def _count(v: object) -> bool:

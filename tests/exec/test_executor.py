@@ -154,3 +154,18 @@ def test_every_frame_from_a_taken_over_executor_is_checked(frame):
         thread.join(executor.HANDLE_WAIT + 10)
         assert not thread.is_alive() and outcome, "the network process is still serving it"
         assert session.elsewhere == 0 and session.memory() >= 0
+
+
+def test_data_from_an_executor_is_read_only_up_to_what_its_kind_of_frame_may_hold():
+    # A transfer announcing 1 GiB was read into the network process (and kept) whatever the
+    # limits: the bound was at least 1 GiB for every frame.
+    limits = Limits(max_client_memory=8 << 20, max_message_bytes=1 << 20)
+    network, taken = multiprocessing.Pipe(duplex=True)
+    fd = os.memfd_create("taken")
+    os.ftruncate(fd, 1 << 30)  # (sparse: free for the sender)
+    taken.send_bytes(msgpack.packb(["transfer", "w1", "w1", 1, 0, 1 << 30]))
+    executor.reduction.send_handle(taken, fd, os.getpid())
+    os.close(fd)
+    with pytest.raises(ValueError, match="data of"):
+        executor._receive(network, executor.data_limits(limits))
+    assert executor.data_limits(limits) == {"transfer": 1 << 20, "reply": (8 << 20) + (1 << 20)}
