@@ -163,11 +163,12 @@ class UpstreamFailed(Exception):
 class Record:
     """What a session remembers of one request: its reply once sent, and when it went out."""
 
-    __slots__ = ("reply", "sent_at")
+    __slots__ = ("reply", "sent_at", "resent")
 
     def __init__(self) -> None:
         self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
         self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
+        self.resent = 0  # times the reply was sent again (worker.RESENDS at most)
 
 
 class Session:
@@ -183,8 +184,8 @@ class Session:
         self.rng = RandomState()
         self.traffic = TrafficCounter()
         self.ops_run = 0
-        # (run, first value id, receiving worker) -> (its identity, the transfer)
-        self.sent: OrderedDict[tuple[int, int, str], tuple[str, bytes]] = OrderedDict()
+        # (run, first value id, receiving worker) -> [its identity, the transfer, resends]
+        self.sent: OrderedDict[tuple[int, int, str], list] = OrderedDict()
         # (run, first value id, sending worker) -> sender's identity -> the message received
         self.inbox: dict[tuple[int, int, str], dict[str, bytes]] = {}
         # Identities its runs named as workers (`peers`), the NAMED_KEPT latest: what they
@@ -269,15 +270,15 @@ class Session:
         TRANSFERS_KEPT latest, within the room the rest of the session's memory leaves
         under `cap` (None: no limit). The oldest go first; one larger than that room is not
         kept (it cannot be sent again)."""
-        _, old = self.sent.pop(key, ("", b""))
+        _, old, _ = self.sent.pop(key, ("", b"", 0))
         self._sent_bytes -= len(old)
         room = None if cap is None else cap - (self.memory() - self._sent_bytes)
         if room is not None and len(payload) > room:
             return
-        self.sent[key] = (peer, payload)
+        self.sent[key] = [peer, payload, 0]
         self._sent_bytes += len(payload)
         while len(self.sent) > TRANSFERS_KEPT or room is not None and self._sent_bytes > room:
-            _, (_, dropped) = self.sent.popitem(last=False)
+            _, (_, dropped, _) = self.sent.popitem(last=False)
             self._sent_bytes -= len(dropped)
 
     def name_workers(self, identities: Any) -> None:

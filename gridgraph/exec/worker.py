@@ -102,6 +102,9 @@ SESSION_ENDED = RequestError(
     "ran; nothing of it ran",
     "session-ended",
 )
+# A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
+# messages under load, so a few resends cover honest losses).
+RESENDS = 4
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
 
 
@@ -216,16 +219,22 @@ class Worker:
             rec = session.records.get(rid)  # the lease
             if rec is not None:  # a resend: never run twice
                 lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
-                forgotten = rec.reply is None and rec.sent_at < arrived
+                if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
+                    lost = False  # (a reply can be large; each resend is a publish of it)
+                forgotten = not lost and rec.sent_at < arrived
                 if (lost or forgotten) and not self._rate.allow(sender):
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
                     return
                 if lost:
+                    rec.resent += 1
                     self._outbox.put((reply_to, rec.reply, None))
                 elif forgotten:
-                    error = RequestError("request already served; its reply is no longer kept",
-                                         "already-served")  # fmt: skip
+                    error = RequestError(
+                        f"request already served; its reply is no longer kept, or was sent "
+                        f"{RESENDS} times again",
+                        "already-served",
+                    )
                     self._refuse(reply_to, rid, error)
                 return
             cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
@@ -428,10 +437,13 @@ class Worker:
             return
         session = self._session(client, "", create=False)
         kept = session.sent.get(key) if session is not None else None
-        # Within the asker's request rate: a kept transfer can be large, the sender thread
-        # is everyone's, and a client may name itself as the identity it went to.
-        if kept is not None and kept[0] == sender and self._rate.allow(sender):
-            self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
+        # Within the asker's request rate, and RESENDS times at most: a kept transfer can be
+        # large, the sender thread is everyone's, and a client may name itself as the
+        # identity it went to (2,000 asks for one 64 MiB transfer would publish 128 GB).
+        if kept is not None and kept[0] == sender and kept[2] < RESENDS:
+            if self._rate.allow(sender):
+                kept[2] += 1
+                self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
 
     def _send_loop(self) -> None:
         while True:

@@ -6,8 +6,10 @@ grants on IPFS; every result is compared with plain torch.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import queue
 import threading
 import tracemalloc
 
@@ -26,7 +28,7 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import worker_topic
+from gridgraph.exec.worker import RESENDS, worker_topic
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30
@@ -345,6 +347,32 @@ def test_asks_to_resend_a_kept_transfer_count_against_the_askers_rate():
         # rate, is here, all went)
         assert "rate limit" in peer.request("w0", {"kind": "ping"})["error"]["message"]
         assert 1 <= len(copies) - 1 <= 3  # sent again while within its rate
+
+
+def test_a_kept_reply_or_transfer_is_sent_again_a_few_times_at_most():
+    # Within a generous rate (2,000 at once by default), one small ask after another made
+    # the worker's shared sender publish the same large reply or transfer again each time:
+    # 2,000 asks for a 64 MiB transfer would publish 128 GB, ahead of everyone's replies.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid)
+        copies = []
+        peer.transport.subscribe(worker_topic("x"), lambda sender, payload: copies.append(1))
+        big = torch.arange(1 << 16, dtype=torch.float32)
+        assert peer.request("w0", {"kind": "put", "values": [[1, big]]})["ok"]
+        send = run([["send", [0], "x"], ["return", 0]], [1], peers={"x": peer.transport.identity})
+        assert peer.request("w0", send, rid="big")["ok"] and len(copies) == 1
+        ask = {"kind": "resend", "client": "mallory/s", "run": 1, "value": 1, "dst": "x"}
+        for _ in range(50):
+            peer.publish("w0", wire.encode(ask))
+            peer.send("w0", send, rid="big")  # its reply "lost" again and again
+        answers = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                answers.append(peer.replies.get(timeout=1.0))
+        again = [a for a in answers if a.get("re") == "big"]
+        assert len(again) == 50 and sum(a["ok"] for a in again) == RESENDS
+        assert all("already served" in a["error"]["message"] for a in again if not a["ok"])
+        assert len(copies) - 1 == RESENDS
 
 
 def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
