@@ -144,6 +144,8 @@ class Executor:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
         except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
             self._end(self._cause())
+        except RuntimeError:  # recv_handle: the frame announced a memfd, and bytes came
+            self._end("it sent data where a memfd was announced")
 
     def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
         """Answer a `recv` frame (checked by `_recv_frame`) with the transfer it waits for."""

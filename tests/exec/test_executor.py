@@ -121,6 +121,7 @@ class _Taken:
         ["transfer", "w1", "w1", 1, 0],  # no data
         ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, no memfd: hung
         ["transfer", "w1", "w1", 1, 0, 1 << 30],  # over a message: read, kept, 1 GiB each
+        [["transfer", "w1", "w1", 1, 0, 1 << 20], b"x"],  # a byte, not a memfd: never answered
     ],
     ids=[
         "negative-held",
@@ -131,6 +132,7 @@ class _Taken:
         "no-data",
         "no-memfd",
         "over-a-message",
+        "bytes-for-memfd",
     ],
 )
 def test_every_frame_from_a_taken_over_executor_is_checked(frame):
@@ -140,7 +142,8 @@ def test_every_frame_from_a_taken_over_executor_is_checked(frame):
         handle.conn, taken = multiprocessing.Pipe(duplex=True)
         handle.process, handle.lost = _Taken(), None
         handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
-        taken.send_bytes(msgpack.packb(frame))
+        for sent in frame if isinstance(frame[0], list) else [frame]:
+            taken.send_bytes(sent if isinstance(sent, bytes) else msgpack.packb(sent))
         outcome = []
 
         def serve() -> None:
