@@ -36,6 +36,8 @@ def _worker(args: argparse.Namespace) -> int:
         requests_per_second=args.max_requests_per_second,
         request_burst=max(1, int(4 * args.max_requests_per_second)),
     )
+    if args.isolate:
+        _shield_worker()
     return run_worker(
         args.ipfs,
         args.name,
@@ -44,6 +46,16 @@ def _worker(args: argparse.Namespace) -> int:
         isolate=args.isolate,
         allow_peers=args.allow_peers,
     )
+
+
+def _shield_worker() -> None:
+    """Keep the executors' sandbox from having holes: the network process's memory closed to
+    its user's other processes, and a warning for each part this kernel cannot apply."""
+    from gridgraph.exec.isolation import sandbox
+
+    sandbox.protect_worker()
+    for gap in sandbox.missing():
+        logging.getLogger("gridgraph.worker").warning("executor sandbox without %s", gap)
 
 
 def _id(args: argparse.Namespace) -> int:

@@ -194,7 +194,7 @@ def local_grid(
         gg.local_grid(2, limits=Limits(max_client_memory=1 << 30, max_request_seconds=10))
 
     `isolate=True` runs each worker's programs in executor processes, as `gridgraph worker`
-    does (see exec/executor.py); by default they run in this process.
+    does (see exec/isolation/executor.py); by default they run in this process.
     """
     if type(n) is not int or n < 1:
         raise ValueError(f"a local grid needs at least one worker, got {n!r}")

@@ -12,7 +12,7 @@ A client is one session of one authenticated peer (see worker.py). Policy:
     time        a request runs at most `max_request_seconds`: a program estimated to need
                 clearly more (`op_work`: elements touched, or multiply-adds) is refused
                 before it runs; one that runs over is stopped at its next step (or
-                killed with its executor process, see executor.py) and undone.
+                killed with its executor process, see isolation/executor.py) and undone.
     messages    a message over `max_message_bytes` is dropped unread.
     rate        each peer may send `requests_per_second` requests, in bursts of up to
                 `request_burst`; the rest are refused, naming the limit, at most as often

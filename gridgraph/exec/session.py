@@ -204,7 +204,9 @@ class Session:
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
-        self.executor: Any = None  # the process running its programs (executor.py), if any
+        self.executor: Any = (
+            None  # the process running its programs (isolation/executor.py), if any
+        )
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
         self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
@@ -391,7 +393,7 @@ def answer(host: Host, session: Session, msg: dict, nbytes: int) -> bytes:
     """Serve one accepted request of `session`; its reply, an error reply if anything fails.
 
     Runs where the session's state lives: in the worker (in-process) or in the session's
-    executor process (executor.py). `bye` is the worker's own business.
+    executor process (isolation/executor.py). `bye` is the worker's own business.
     """
     rid, kind = msg["id"], msg["kind"]
     try:

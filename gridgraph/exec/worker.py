@@ -28,8 +28,8 @@ Policy:
       waits SERVER_LINGER s for the session's next request before it ends (torch's
       intra-op thread pool belongs to it, and stays warm across a training loop's steps). With
       `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
-      executor process (executor.py): a crash, OOM kill or time-out there ends that session
-      only, and every later request of it gets an error naming the cause.
+      executor process (isolation/executor.py): a crash, OOM kill or time-out there ends that
+      session only, and every later request of it gets an error naming the cause.
     - Exactly once: a request id runs at most once per session (the session's records).
       A resend of a request that is queued or running is ignored; one that already has its
       reply gets that reply again, within the peer's request rate (past it, the resend is
@@ -68,7 +68,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from gridgraph.exec import executor, wire
+from gridgraph.exec import wire
+from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import (
     TRANSFER_BYTES,
     LimitExceeded,
@@ -133,7 +134,7 @@ class Worker:
         self.name = name
         self.transport = transport
         self.limits = limits or Limits()
-        # Run each session's programs in an executor process of its own (executor.py).
+        # Run each session's programs in an executor process of its own (isolation/executor.py).
         self.isolate = isolate
         if isolate:
             threading.Thread(target=executor.prewarm, daemon=True).start()

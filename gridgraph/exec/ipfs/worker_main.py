@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 
-from gridgraph.exec import executor, wire
+from gridgraph.exec import wire
 from gridgraph.exec.ipfs.discovery import (
     DEFAULT_LEASE,
     HEARTBEAT,
@@ -29,6 +29,7 @@ from gridgraph.exec.ipfs.discovery import (
 )
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
+from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import DISCOVERY_TOPIC, Worker
 

@@ -7,7 +7,7 @@ executor forked from it then starts in tens of milliseconds (see executor.py).
 
 import torch
 
-import gridgraph.exec.executor  # noqa: F401  (the executor's own code)
+import gridgraph.exec.isolation.executor  # noqa: F401  (the executor's own code)
 from gridgraph.exec.limits import op_footprint
 
 _meta = torch.empty(2, 2, device="meta")

@@ -16,6 +16,9 @@ Policy:
     memory     the OS caps the executor's address space at what it mapped once started (torch
                maps far more virtual memory than it uses) plus twice the client's memory
                limit and some room per core: an allocation past that fails as an op error.
+    sandbox    before its first request the executor enters the sandbox (sandbox.py): no
+               processes, signals, sockets or files beyond its own, and no capabilities. It
+               dies with its forkserver, which exits when the worker dies.
     time       the executor stops a program between steps at the time limit; one still
                running KILL_GRACE s later (a single long op) is killed.
     loss       a crash, kill or time-out ends that session only: its request gets an error
@@ -43,7 +46,6 @@ small):
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import multiprocessing
@@ -52,13 +54,14 @@ import resource
 import signal
 import time
 from functools import cache
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction, resource_tracker
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from gridgraph.exec import wire
+from gridgraph.exec.isolation import sandbox
 from gridgraph.exec.limits import GiB, Limits
 from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
@@ -82,7 +85,7 @@ class ExecutorLost(Exception):
 @cache
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gridgraph.exec.executor_preload"])  # torch, warm
+    ctx.set_forkserver_preload(["gridgraph.exec.isolation.preload"])  # torch, warm
     return ctx
 
 
@@ -296,8 +299,9 @@ def _executor_main(
     conn: Connection, name: str, key: str, limits: Limits, recv_timeout: float
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker, which kills us
-    _die_with_parent()
+    _let_go_of_the_worker()
     _cap_address_space(limits.max_client_memory)
+    sandbox.enter()  # from here on, the client's program may own this process
     session = Session(key, key.split("/", 1)[0])
     host = _ExecutorHost(conn, name, limits, recv_timeout)
     while True:
@@ -313,14 +317,17 @@ def _executor_main(
         _send(conn, ["reply", session.memory() - session.elsewhere], reply)
 
 
-def _die_with_parent() -> None:
-    """Be killed when the forkserver goes, as it does when its worker dies: an orphaned
-    executor would otherwise run its program to the end, on cores others need."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it went before the call took effect
-        os._exit(1)
+def _let_go_of_the_worker() -> None:
+    """Close the descriptors the forkserver hands every child: the write end of the pipe
+    whose end tells the forkserver that the worker is gone, and the resource tracker's. An
+    executor that held the first kept the forkserver, and so itself, alive after the worker
+    died (its death signal comes when the forkserver exits, sandbox.py)."""
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
+    for holder, attribute in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
+        fd = getattr(holder, attribute, None)
+        if fd is not None:
+            os.close(fd)
+            setattr(holder, attribute, None)
 
 
 def _cap_address_space(client_memory: int | None) -> None:

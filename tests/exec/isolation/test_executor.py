@@ -18,7 +18,7 @@ import torch
 from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
-from gridgraph.exec import executor
+from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.session import Session
 

@@ -1,0 +1,291 @@
+"""The executor's sandbox: what a client's program can reach once it owns its executor.
+
+Threat model: a kernel that trusts its arguments (kernel_checks.py covers the ones known)
+may hand a hostile client's program the executor process it runs in: its code and its
+system calls. The sandbox keeps that client inside its own session. It cannot touch the
+worker, another client's executor, the worker's keys or the Kubo node.
+
+State: none here. `enter()` changes the calling process for good, once.
+
+Policy (an executor enters it before it serves its first request; the kernel enforces it):
+    processes  no fork, vfork or exec, and no clone but a thread's (seccomp): nothing the
+               client starts outlives its executor or runs outside the sandbox.
+    signals    to no process but itself (seccomp, and Landlock's signal scope where the
+               kernel has it): not the worker, and not another client's executor.
+    memory     no ptrace, process_vm_readv/writev, pidfd_getfd or kcmp. The executor is not
+               dumpable, so no process of the same user without CAP_SYS_PTRACE opens its
+               /proc/pid/mem. `protect_worker` does the same for the network process.
+    network    no new socket of any kind (seccomp): not Kubo's RPC API, not the
+               forkserver's socket, not the network.
+    files      Landlock: read only where Python and its libraries live, and write nowhere.
+               Elsewhere (the worker's keys, the Kubo repository, /proc) nothing is opened.
+    privilege  no capabilities, and no_new_privs. A worker that runs as root gives its
+               executors none of root's powers; they keep uid 0, and with it owner access
+               to root's files, which Landlock confines.
+    lifetime   its death signal (SIGKILL when the forkserver goes) cannot be undone:
+               prctl(PR_SET_PDEATHSIG) is refused.
+    the rest   no namespaces, mounts, keys, BPF, userfaultfd, perf events or io_uring
+               (whose requests seccomp would not see). Scheduling changes apply only to the
+               executor itself.
+
+A refused call fails with EPERM (clone3 with ENOSYS, so that threads fall back to clone).
+Where the kernel lacks a part (Landlock before Linux 5.13; seccomp on an architecture other
+than x86-64 and arm64), `missing()` names it, and the worker logs a warning when it starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import signal
+import struct
+import sys
+from functools import cache
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+CLONE_THREAD = 0x10000
+
+# Syscall numbers for the architectures the filter knows; arm64 uses the generic table.
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_X32_BIT = 0x40000000  # x86-64's x32 ABI: another numbering, refused whole
+# fmt: off
+_NR = {
+    "x86_64": dict(
+        kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297,
+        pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438, ptrace=101,
+        process_vm_readv=310, process_vm_writev=311, process_madvise=440, kcmp=312,
+        fork=57, vfork=58, clone=56, clone3=435, execve=59, execveat=322, socket=41,
+        socketpair=53, prctl=157, perf_event_open=298, bpf=321, userfaultfd=323,
+        unshare=272, setns=308, mount=165, keyctl=250, add_key=248, request_key=249,
+        io_uring_setup=425, io_uring_enter=426, io_uring_register=427,
+        open_by_handle_at=304, name_to_handle_at=303, setpriority=141,
+        sched_setaffinity=203, sched_setscheduler=144, sched_setparam=142,
+        sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279,
+        seccomp=317, capset=126,
+    ),
+    "aarch64": dict(
+        kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240,
+        pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438, ptrace=117,
+        process_vm_readv=270, process_vm_writev=271, process_madvise=440, kcmp=272,
+        clone=220, clone3=435, execve=221, execveat=281, socket=198, socketpair=199,
+        prctl=167, perf_event_open=241, bpf=280, userfaultfd=282, unshare=97, setns=268,
+        mount=40, keyctl=219, add_key=217, request_key=218, io_uring_setup=425,
+        io_uring_enter=426, io_uring_register=427, open_by_handle_at=265,
+        name_to_handle_at=264, setpriority=140, sched_setaffinity=122,
+        sched_setscheduler=119, sched_setparam=118, sched_setattr=274, ioprio_set=30,
+        migrate_pages=238, move_pages=239, seccomp=277, capset=91,
+    ),
+}
+# fmt: on
+_REFUSED = (
+    "tkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_send_signal pidfd_open pidfd_getfd "
+    "ptrace process_vm_readv process_vm_writev process_madvise kcmp fork vfork execve "
+    "execveat socket socketpair perf_event_open bpf userfaultfd unshare setns mount keyctl "
+    "add_key request_key io_uring_setup io_uring_enter io_uring_register open_by_handle_at "
+    "name_to_handle_at migrate_pages move_pages"
+).split()
+# calls allowed only when the argument that names a process (by index) names this one: its
+# pid for signals, 0 ("the caller") for scheduling
+_SELF_ONLY = {"kill": (0, "pid"), "tgkill": (0, "pid"), "setpriority": (1, 0),
+              "ioprio_set": (1, 0), "sched_setaffinity": (0, 0), "sched_setscheduler": (0, 0),
+              "sched_setparam": (0, 0), "sched_setattr": (0, 0)}  # fmt: skip
+
+# Landlock (linux/landlock.h): filesystem rights by bit, how many the kernel's ABI handles
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_FS_READ_FILE, _FS_READ_DIR = 1 << 2, 1 << 3
+_FS_RIGHTS_BY_ABI = {1: 13, 2: 14, 3: 15, 4: 15}  # ABI 5 and later: 16
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2  # ABI 4
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2  # ABI 6
+_LIBRARIES = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache")
+_CPU_INFO = ("/sys/devices/system/cpu", "/proc/cpuinfo")  # read as torch's threads start
+
+
+class SandboxError(RuntimeError):
+    """A part of the sandbox that the kernel offers could not be applied."""
+
+
+@cache
+def landlock_abi() -> int:
+    """The Landlock ABI version the kernel offers; 0 where it has none."""
+    abi = _libc.syscall(_LANDLOCK_CREATE_RULESET, None, 0, 1)  # _VERSION
+    return max(0, abi)
+
+
+def missing() -> list[str]:
+    """The parts of the sandbox this machine's kernel cannot apply, named for a warning."""
+    gaps = []
+    if platform.machine() not in _NR:
+        gaps.append(f"seccomp filter (no syscall table for {platform.machine()})")
+    if landlock_abi() < 1:
+        gaps.append("Landlock (Linux 5.13 or later): executors can read the worker's files")
+    elif landlock_abi() < 6:
+        gaps.append("Landlock signal scope (Linux 6.12 or later): seccomp alone refuses signals")
+    return gaps
+
+
+def protect_worker() -> None:
+    """Make the worker's network process not dumpable: no process of its user without
+    CAP_SYS_PTRACE may read or write its memory through /proc (its keys live there)."""
+    _prctl(PR_SET_DUMPABLE, 0)
+
+
+def enter() -> None:
+    """Confine the calling process for good (see the module's policy). Call it in a process
+    with one thread: Landlock binds only the calling thread, and threads started later
+    inherit both Landlock and the seccomp filter."""
+    if _threads() != 1:
+        raise SandboxError(f"the sandbox is entered by a process with {_threads()} threads")
+    parent = os.getppid()
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # killed when the forkserver goes
+    if os.getppid() != parent:  # it went before the call took effect
+        os._exit(1)
+    _drop_capabilities()
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if landlock_abi() >= 1:
+        _restrict_files(landlock_abi())
+    _prctl(PR_SET_DUMPABLE, 0)
+    if platform.machine() in _NR:
+        _install_filter(platform.machine(), os.getpid())
+
+
+def _threads() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise SandboxError(f"prctl({option}, {value}): {os.strerror(e)}")
+
+
+def _syscall(name: str, *args: object) -> int:
+    result = _libc.syscall(_NR[platform.machine()][name], *args)
+    if result < 0:
+        e = ctypes.get_errno()
+        raise SandboxError(f"{name}: {os.strerror(e)}")
+    return result
+
+
+def _drop_capabilities() -> None:
+    """Empty the effective, permitted and inheritable sets, and the ambient one."""
+    if _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+        if ctypes.get_errno() != errno.EINVAL:  # (a kernel without ambient capabilities)
+            raise SandboxError(f"clearing ambient capabilities: {os.strerror(ctypes.get_errno())}")
+    header = ctypes.create_string_buffer(struct.pack("Ii", 0x20080522, 0), 8)  # v3, this process
+    data = ctypes.create_string_buffer(24)  # two {effective, permitted, inheritable}: all zero
+    if platform.machine() in _NR:
+        _syscall("capset", header, data)
+    elif os.geteuid() == 0:
+        raise SandboxError(f"cannot drop root's capabilities on {platform.machine()}")
+
+
+def _restrict_files(abi: int) -> None:
+    """Landlock: read files and list directories only where Python's code and the shared
+    libraries live; everything else, writes included, is refused."""
+    fs = (1 << _FS_RIGHTS_BY_ABI.get(abi, 16)) - 1
+    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+    attr = struct.pack("QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    attr = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = _libc.syscall(_LANDLOCK_CREATE_RULESET, attr, len(attr), 0)
+    if ruleset < 0:
+        raise SandboxError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        for path in readable_paths():
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rights = _FS_READ_FILE | (_FS_READ_DIR if os.path.isdir(path) else 0)
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)  # packed
+                if _libc.syscall(_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0) != 0:
+                    e = os.strerror(ctypes.get_errno())
+                    raise SandboxError(f"landlock_add_rule({path}): {e}")
+            finally:
+                os.close(fd)
+        if _libc.syscall(_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
+            raise SandboxError(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+
+
+def readable_paths() -> list[str]:
+    """What an executor may read: Python's installation, the directories it imports from
+    (not the working directory), this package, the shared libraries and the CPU list."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    imports = {p for p in sys.path if os.path.isabs(p) and p != os.getcwd()}
+    wanted = sorted(prefixes | imports | {here, *_CPU_INFO, *_LIBRARIES})
+    return [p for p in wanted if os.path.exists(p)]
+
+
+def _install_filter(machine: str, pid: int) -> None:
+    """The seccomp filter: refuse the calls of the policy, allow every other."""
+    nr = _NR[machine]
+    eperm = _errno(errno.EPERM)
+    program = [_load(4), _jump(_JEQ, _AUDIT_ARCH[machine], 1, 0), _ret(_KILL)]
+    if machine == "x86_64":
+        program += [_load(0), _jump(_JGE, _X32_BIT, 0, 1), _ret(eperm)]
+    for name in _REFUSED:
+        if name in nr:
+            program += _when(nr[name], [_ret(eperm)])
+    for name, (arg, allowed) in _SELF_ONLY.items():
+        value = pid if allowed == "pid" else allowed
+        program += _when(nr[name], _if_arg(arg, _JEQ, value, _ret(_ALLOW), _ret(eperm)))
+    program += _when(nr["clone"], _if_arg(0, _JSET, CLONE_THREAD, _ret(_ALLOW), _ret(eperm)))
+    program += _when(nr["clone3"], [_ret(_errno(errno.ENOSYS))])  # threads fall back to clone
+    program += _when(nr["prctl"], _if_arg(0, _JEQ, PR_SET_PDEATHSIG, _ret(eperm), _ret(_ALLOW)))
+    program.append(_ret(_ALLOW))
+    filters = (_SockFilter * len(program))(*program)
+    fprog = _SockFprog(len(program), filters)
+    _syscall("seccomp", 1, 1, ctypes.byref(fprog))  # SET_MODE_FILTER, FILTER_FLAG_TSYNC
+
+
+# --- classic BPF, as seccomp reads it ------------------------------------------------------
+
+_ALLOW, _KILL = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
+_JEQ, _JGE, _JSET = 0x15, 0x35, 0x45  # BPF_JMP | BPF_K with ==, >= and & (any bit set)
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint)]  # fmt: skip
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _when(number: int, then: list[_SockFilter]) -> list[_SockFilter]:
+    """Run `then` (which must end in a return) for syscall `number`; else go on past it."""
+    return [_load(0), _jump(_JEQ, number, 0, len(then)), *then]
+
+
+def _if_arg(arg: int, test: int, value: int, yes: _SockFilter, no: _SockFilter) -> list:
+    """Return `yes` if the low word of argument `arg` passes `test` against `value`, else `no`."""
+    return [_load(16 + 8 * arg), _jump(test, value, 0, 1), yes, no]
+
+
+def _load(offset: int) -> _SockFilter:
+    """A = the 32-bit word at `offset` of seccomp_data (0: syscall number, 4: arch, 16 + 8i:
+    the low word of argument i, on a little-endian machine)."""
+    return _SockFilter(0x20, 0, 0, offset)  # BPF_LD | BPF_W | BPF_ABS
+
+
+def _jump(code: int, k: int, jt: int, jf: int) -> _SockFilter:
+    return _SockFilter(code, jt, jf, k & 0xFFFFFFFF)
+
+
+def _ret(value: int) -> _SockFilter:
+    return _SockFilter(0x06, 0, 0, value)  # BPF_RET | BPF_K
+
+
+def _errno(number: int) -> int:
+    return 0x00050000 | number  # SECCOMP_RET_ERRNO

@@ -1,0 +1,195 @@
+"""The executor's sandbox (exec/isolation/sandbox.py): a client's program that owns its executor
+process, through a kernel bug, reaches nothing outside it.
+
+Each attack runs in a process forked by the executors' forkserver that entered the sandbox as
+an executor does. The same call made outside the sandbox succeeds, so each refusal is the
+sandbox's doing. A live executor of an isolating grid is checked to be in the sandbox, and
+to die with its worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import gridgraph as gg
+from gridgraph.exec.isolation import executor, sandbox
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+def _attacks(worker: int, secret: str, planted: str, port: int) -> dict:
+    """What a taken-over executor would try, each a call that succeeds outside the sandbox:
+    `worker` is the worker's pid, `secret` a file of the worker's, `port` a listening
+    loopback port (Kubo's RPC API, say)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def start_a_process() -> None:
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    def run_a_program() -> None:
+        os.waitpid(os.posix_spawn("/bin/true", ["true"], os.environ), 0)
+
+    def keep_running_when_the_worker_dies() -> None:
+        if libc.prctl(1, 0, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG: none
+            raise OSError(ctypes.get_errno(), "prctl")
+
+    def read_the_workers_memory() -> None:
+        with open(f"/proc/{worker}/mem", "rb") as mem:
+            mem.seek(0x400000)
+
+    return {
+        "signal the worker": lambda: os.kill(worker, 0),
+        "take a handle on the worker": lambda: os.close(os.pidfd_open(worker)),
+        "lower the worker's priority": lambda: os.setpriority(
+            os.PRIO_PROCESS, worker, os.getpriority(os.PRIO_PROCESS, worker)
+        ),
+        "start a process": start_a_process,
+        "run a program": run_a_program,
+        "undo its death signal": keep_running_when_the_worker_dies,
+        "connect to Kubo's API": lambda: socket.create_connection(("127.0.0.1", port)).close(),
+        "read the worker's files": lambda: open(secret).read(),
+        "write a file": lambda: open(planted, "w").close(),
+        "read the worker's memory": read_the_workers_memory,
+    }
+
+
+def _from_inside(conn, worker: int, secret: str, planted: str, port: int) -> None:
+    """The taken-over executor: enter the sandbox as executors do, then try each attack and
+    some honest work, and report what happened."""
+    executor._let_go_of_the_worker()
+    sandbox.enter()
+    outcome = {}
+    for name, attack in _attacks(worker, secret, planted, port).items():
+        try:
+            attack()
+            outcome[name] = "done"
+        except OSError as e:
+            outcome[name] = e.errno
+    a = torch.randn(400, 300, generator=torch.Generator().manual_seed(0))
+    torch.set_num_threads(2)  # threads still start
+    outcome["mm"] = torch.mm(a, a.T).tolist()  # (a tensor would travel through /dev/shm)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(importlib.import_module("colorsys")))
+    thread.start()
+    thread.join()
+    outcome["import"] = done[0].__name__
+    conn.send(outcome)
+
+
+@pytest.fixture
+def target(tmp_path):
+    secret = tmp_path / "worker.key"
+    secret.write_text("the worker's private key")
+    listener = socket.create_server(("127.0.0.1", 0))
+    yield os.getpid(), str(secret), str(tmp_path / "planted"), listener.getsockname()[1]
+    listener.close()
+
+
+def test_a_taken_over_executor_can_do_nothing_outside_its_session(target):
+    for name, attack in _attacks(*target).items():  # each works from outside
+        if name != "write a file":
+            attack()
+    ctx = executor._context()
+    ours, theirs = ctx.Pipe()
+    inside = ctx.Process(target=_from_inside, args=(theirs, *target), daemon=True)
+    inside.start()
+    assert ours.poll(60), f"the sandboxed process sent nothing (exit code {inside.exitcode})"
+    outcome = ours.recv()
+    inside.join(10)
+    refused = {"signal the worker", "take a handle on the worker", "start a process",
+               "run a program", "undo its death signal", "lower the worker's priority",
+               "connect to Kubo's API"}  # fmt: skip
+    if sandbox.landlock_abi() >= 1:  # the files, and /proc, are Landlock's
+        refused |= {"read the worker's files", "write a file", "read the worker's memory"}
+    got = {name: outcome[name] for name in refused}
+    assert all(code in (1, 13) for code in got.values()), got  # EPERM or EACCES
+    assert not os.path.exists(target[2])
+    a = torch.randn(400, 300, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(torch.tensor(outcome["mm"]), a @ a.T)
+    assert outcome["import"] == "colorsys"
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as status:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
+
+
+def test_a_live_executor_runs_in_the_sandbox():
+    with gg.local_grid(1, isolate=True) as grid:
+        a = torch.randn(64, 64)
+        x = a.send(grid.workers[0])
+        assert torch.equal((x @ x).get(), a @ a)
+        session = next(iter(grid.local_workers[0].sessions.values()))
+        status = _status(session.executor.process.pid)
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+
+
+_WORKER = """
+import threading, time, torch, gridgraph as gg
+with gg.local_grid(1, isolate=True) as grid:
+    m = torch.randn(5000, 5000, dtype=torch.float64).send(grid.workers[0])
+    threading.Thread(target=lambda: torch.linalg.eig(m)[0].get(), daemon=True).start()
+    time.sleep(3)  # one op of a minute or more: the executor reads nothing from the worker
+    session = next(iter(grid.local_workers[0].sessions.values()))
+    print(session.executor.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return _status(pid)["State"][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_executors_die_with_their_worker():
+    # Every executor held the pipe end whose closing tells the forkserver that the worker is
+    # gone: a killed worker's forkserver, and with it an executor busy in a long op (or taken
+    # over, and deaf to its closed pipe), ran on.
+    worker = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_WORKER)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(worker.stdout.readline())
+        assert _alive(pid)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _alive(pid)
+        if left:
+            os.kill(pid, signal.SIGKILL)  # (ours: started by this test's worker)
+        assert not left, "the executor outlived its worker"
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_protected_worker_is_not_dumpable():
+    # Without it, any process of the worker's user could read the worker's keys from
+    # /proc/<pid>/mem (gridgraph worker protects itself when it isolates).
+    check = (
+        "import ctypes; from gridgraph.exec.isolation import sandbox; libc = ctypes.CDLL(None); "
+        "before = libc.prctl(3, 0, 0, 0, 0); sandbox.protect_worker(); "
+        "print(before, libc.prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "0"]
