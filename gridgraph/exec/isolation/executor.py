@@ -140,6 +140,8 @@ class Executor:
                     _, dst, peer, run, value = frame
                     if not (_count(run) and _count(value)):
                         self._end(f"it sent a malformed frame {frame!r:.60}")
+                    if not _own_transfer(data, session.key, worker.name, run, value):
+                        self._end("it sent a transfer of another client's run or worker")
                     worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
                 elif frame[0] == "recv" and len(frame) == 6 and _recv_frame(frame):
                     self._recv(worker, session, frame, kill_at)
@@ -203,6 +205,24 @@ def data_limits(limits: Limits) -> dict[str, float]:
 def _count(v: object) -> bool:
     """Whether `v` is a non-negative int: a byte count, a run or a value id."""
     return type(v) is int and v >= 0
+
+
+def _own_transfer(data: bytearray, client: str, src: str, run: int, value: int) -> bool:
+    """Whether `data` is a transfer of session `client`'s run `run` from worker `src`, first
+    value `value`. Its receiver files it under the client and run it names, and takes it as
+    this worker's: a taken-over executor could otherwise feed another client's run that
+    names this worker. (Raises ValueError if it is no message at all.)"""
+    msg = wire.decode(data)
+    values = msg.get("values")
+    return (
+        msg.get("kind") == "transfer"
+        and msg.get("client") == client
+        and msg.get("src") == src
+        and msg.get("run") == run
+        and isinstance(values, list)
+        and bool(values)
+        and values[0] == value
+    )
 
 
 def _recv_frame(frame: list) -> bool:

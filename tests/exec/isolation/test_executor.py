@@ -18,6 +18,7 @@ import torch
 from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
+from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.session import Session
@@ -110,6 +111,13 @@ class _Taken:
         pass
 
 
+def _forged(**fields: object) -> bytes:
+    """A transfer of session mallory/s's run 1 from w0, value 0, with `fields` changed."""
+    msg = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w0", "values": [0],
+           "tensors": [torch.ones(2)], **fields}  # fmt: skip
+    return wire.encode(msg)
+
+
 @pytest.mark.parametrize(
     "frame",
     [
@@ -122,6 +130,9 @@ class _Taken:
         ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, no memfd: hung
         ["transfer", "w1", "w1", 1, 0, 1 << 30],  # over a message: read, kept, 1 GiB each
         [["transfer", "w1", "w1", 1, 0, 1 << 20], b"x"],  # a byte, not a memfd: never answered
+        ["transfer", "w1", "w1", 1, 0, _forged(client="victim/s")],  # into another's run
+        ["transfer", "w1", "w1", 1, 0, _forged(src="w2")],  # as another worker
+        ["transfer", "w1", "w1", 1, 0, _forged(run=2)],  # under another key than it names
     ],
     ids=[
         "negative-held",
@@ -133,6 +144,9 @@ class _Taken:
         "no-memfd",
         "over-a-message",
         "bytes-for-memfd",
+        "another-clients-run",
+        "another-worker",
+        "another-key",
     ],
 )
 def test_every_frame_from_a_taken_over_executor_is_checked(frame):
