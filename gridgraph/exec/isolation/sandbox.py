@@ -19,14 +19,23 @@ Policy (an executor enters it before it serves its first request; the kernel enf
                forkserver's socket, not the network.
     files      Landlock: read only where Python and its libraries live, and write nowhere.
                Elsewhere (the worker's keys, the Kubo repository, /proc) nothing is opened.
+               No file's mode, owner, times or extended attributes change (seccomp: Landlock
+               does not cover those), and no file is watched.
+    IPC        no System V or POSIX IPC objects: shared by every process of the user, and
+               outliving the executor.
+    terminal   a session of its own (setsid), so no controlling terminal, and no TIOCSTI or
+               TIOCLINUX ioctl: nothing typed into the operator's shell.
     privilege  no capabilities, and no_new_privs. A worker that runs as root gives its
                executors none of root's powers; they keep uid 0, and with it owner access
                to root's files, which Landlock confines.
     lifetime   its death signal (SIGKILL when the forkserver goes) cannot be undone:
                prctl(PR_SET_PDEATHSIG) is refused.
     the rest   no namespaces, mounts, keys, BPF, userfaultfd, perf events or io_uring
-               (whose requests seccomp would not see). Scheduling changes apply only to the
-               executor itself.
+               (whose requests seccomp would not see). Scheduling and resource-limit changes
+               apply only to the executor itself; no nice or I/O priority changes at all
+               (those calls reach whole process groups and users).
+    not yet    a thread bomb: the kernel exempts uid 0 from RLIMIT_NPROC, and only a pids
+               cgroup would bound an executor's threads.
 
 A refused call fails with EPERM (clone3 with ENOSYS, so that threads fall back to clone).
 Where the kernel lacks a part (Landlock before Linux 5.13; seccomp on an architecture other
@@ -69,7 +78,15 @@ _NR = {
         open_by_handle_at=304, name_to_handle_at=303, setpriority=141,
         sched_setaffinity=203, sched_setscheduler=144, sched_setparam=142,
         sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279,
-        seccomp=317, capset=126,
+        seccomp=317, capset=126, prlimit64=302, ioctl=16, chmod=90, fchmod=91,
+        fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, utime=132,
+        utimes=235, futimesat=261, utimensat=280, setxattr=188, lsetxattr=189,
+        fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463,
+        removexattrat=466, shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65,
+        semctl=66, semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240,
+        mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
+        mq_getsetattr=245, inotify_init=253, inotify_init1=294, inotify_add_watch=254,
+        fanotify_init=300, fanotify_mark=301,
     ),
     "aarch64": dict(
         kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240,
@@ -81,22 +98,42 @@ _NR = {
         io_uring_enter=426, io_uring_register=427, open_by_handle_at=265,
         name_to_handle_at=264, setpriority=140, sched_setaffinity=122,
         sched_setscheduler=119, sched_setparam=118, sched_setattr=274, ioprio_set=30,
-        migrate_pages=238, move_pages=239, seccomp=277, capset=91,
+        migrate_pages=238, move_pages=239, seccomp=277, capset=91, prlimit64=261, ioctl=29,
+        fchmod=52, fchmodat=53, fchmodat2=452, fchown=55, fchownat=54, utimensat=88,
+        setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15,
+        fremovexattr=16, setxattrat=463, removexattrat=466, shmget=194, shmat=196,
+        shmctl=195, shmdt=197, semget=190, semop=193, semctl=191, semtimedop=192,
+        msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
+        mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185,
+        inotify_init1=26, inotify_add_watch=27, fanotify_init=262, fanotify_mark=263,
     ),
 }
 # fmt: on
 _REFUSED = (
-    "tkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_send_signal pidfd_open pidfd_getfd "
-    "ptrace process_vm_readv process_vm_writev process_madvise kcmp fork vfork execve "
-    "execveat socket socketpair perf_event_open bpf userfaultfd unshare setns mount keyctl "
-    "add_key request_key io_uring_setup io_uring_enter io_uring_register open_by_handle_at "
-    "name_to_handle_at migrate_pages move_pages"
+    # other processes: signals, memory, handles
+    "tkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_send_signal pidfd_open pidfd_getfd ptrace "
+    "process_vm_readv process_vm_writev process_madvise kcmp migrate_pages move_pages "
+    "setpriority ioprio_set "  # (these reach a process group or a user too)
+    # new processes and programs, sockets, namespaces, kernel facilities
+    "fork vfork execve execveat socket socketpair unshare setns mount keyctl add_key "
+    "request_key bpf perf_event_open userfaultfd io_uring_setup io_uring_enter "
+    "io_uring_register open_by_handle_at name_to_handle_at "
+    # file metadata (Landlock does not cover it; uid 0 owns root's files) and file watches
+    "chmod fchmod fchmodat fchmodat2 chown fchown lchown fchownat utime utimes futimesat "
+    "utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr "
+    "setxattrat removexattrat inotify_init inotify_init1 inotify_add_watch fanotify_init "
+    "fanotify_mark "
+    # System V and POSIX IPC: shared with every process of the user, and outliving it
+    "shmget shmat shmctl shmdt semget semop semctl semtimedop msgget msgsnd msgrcv msgctl "
+    "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr"
 ).split()
-# calls allowed only when the argument that names a process (by index) names this one: its
-# pid for signals, 0 ("the caller") for scheduling
-_SELF_ONLY = {"kill": (0, "pid"), "tgkill": (0, "pid"), "setpriority": (1, 0),
-              "ioprio_set": (1, 0), "sched_setaffinity": (0, 0), "sched_setscheduler": (0, 0),
-              "sched_setparam": (0, 0), "sched_setattr": (0, 0)}  # fmt: skip
+# calls allowed only when the argument (by index) that names a process names this one: "pid"
+# stands for its pid, 0 for "the caller"
+_SELF_ONLY = {"kill": (0, ("pid",)), "tgkill": (0, ("pid",)), "prlimit64": (0, (0, "pid")),
+              "sched_setaffinity": (0, (0,)), "sched_setscheduler": (0, (0,)),
+              "sched_setparam": (0, (0,)), "sched_setattr": (0, (0,))}  # fmt: skip
+_TTY_INJECTION = (0x5412, 0x541C)  # ioctl TIOCSTI, TIOCLINUX: type into a terminal
+
 
 # Landlock (linux/landlock.h): filesystem rights by bit, how many the kernel's ABI handles
 _LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
@@ -147,6 +184,10 @@ def enter() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # killed when the forkserver goes
     if os.getppid() != parent:  # it went before the call took effect
         os._exit(1)
+    try:
+        os.setsid()  # no controlling terminal (to type commands into), no process group
+    except PermissionError:  # already a group's leader: TIOCSTI is refused below all the same
+        pass
     _drop_capabilities()
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     if landlock_abi() >= 1:
@@ -237,11 +278,12 @@ def _install_filter(machine: str, pid: int) -> None:
         if name in nr:
             program += _when(nr[name], [_ret(eperm)])
     for name, (arg, allowed) in _SELF_ONLY.items():
-        value = pid if allowed == "pid" else allowed
-        program += _when(nr[name], _if_arg(arg, _JEQ, value, _ret(_ALLOW), _ret(eperm)))
-    program += _when(nr["clone"], _if_arg(0, _JSET, CLONE_THREAD, _ret(_ALLOW), _ret(eperm)))
+        values = [pid if v == "pid" else v for v in allowed]
+        program += _when(nr[name], _if_arg(arg, _JEQ, values, _ret(_ALLOW), _ret(eperm)))
+    program += _when(nr["clone"], _if_arg(0, _JSET, [CLONE_THREAD], _ret(_ALLOW), _ret(eperm)))
     program += _when(nr["clone3"], [_ret(_errno(errno.ENOSYS))])  # threads fall back to clone
-    program += _when(nr["prctl"], _if_arg(0, _JEQ, PR_SET_PDEATHSIG, _ret(eperm), _ret(_ALLOW)))
+    program += _when(nr["prctl"], _if_arg(0, _JEQ, [PR_SET_PDEATHSIG], _ret(eperm), _ret(_ALLOW)))
+    program += _when(nr["ioctl"], _if_arg(1, _JEQ, _TTY_INJECTION, _ret(eperm), _ret(_ALLOW)))
     program.append(_ret(_ALLOW))
     filters = (_SockFilter * len(program))(*program)
     fprog = _SockFprog(len(program), filters)
@@ -268,9 +310,12 @@ def _when(number: int, then: list[_SockFilter]) -> list[_SockFilter]:
     return [_load(0), _jump(_JEQ, number, 0, len(then)), *then]
 
 
-def _if_arg(arg: int, test: int, value: int, yes: _SockFilter, no: _SockFilter) -> list:
-    """Return `yes` if the low word of argument `arg` passes `test` against `value`, else `no`."""
-    return [_load(16 + 8 * arg), _jump(test, value, 0, 1), yes, no]
+def _if_arg(arg: int, test: int, values: list | tuple, yes: _SockFilter, no: _SockFilter) -> list:
+    """Return `yes` if the low word of argument `arg` passes `test` against any of `values`,
+    else `no`."""
+    n = len(values)
+    tests = [_jump(test, v, n - 1 - i, 1 if i == n - 1 else 0) for i, v in enumerate(values)]
+    return [_load(16 + 8 * arg), *tests, yes, no]
 
 
 def _load(offset: int) -> _SockFilter:

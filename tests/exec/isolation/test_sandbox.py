@@ -10,8 +10,10 @@ to die with its worker.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import importlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -52,8 +54,25 @@ def _attacks(worker: int, secret: str, planted: str, port: int) -> dict:
         with open(f"/proc/{worker}/mem", "rb") as mem:
             mem.seek(0x400000)
 
+    def share_memory_with_anyone() -> None:
+        segment = libc.shmget(0, 4096, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+        if segment < 0:
+            raise OSError(ctypes.get_errno(), "shmget")
+        libc.shmctl(segment, 0, None)  # IPC_RMID
+
+    def type_into_its_terminal() -> None:
+        fcntl.ioctl(0, 0x5412, b"x")  # TIOCSTI: the operator's shell would read it
+
     return {
         "signal the worker": lambda: os.kill(worker, 0),
+        "limit the worker": lambda: resource.prlimit(
+            worker, resource.RLIMIT_NOFILE, resource.prlimit(worker, resource.RLIMIT_NOFILE)
+        ),
+        "change the mode of the worker's files": lambda: os.chmod(
+            secret, os.stat(secret).st_mode & 0o7777
+        ),
+        "share memory with anyone": share_memory_with_anyone,
+        "type into its terminal": type_into_its_terminal,
         "take a handle on the worker": lambda: os.close(os.pidfd_open(worker)),
         "lower the worker's priority": lambda: os.setpriority(
             os.PRIO_PROCESS, worker, os.getpriority(os.PRIO_PROCESS, worker)
@@ -102,7 +121,7 @@ def target(tmp_path):
 
 def test_a_taken_over_executor_can_do_nothing_outside_its_session(target):
     for name, attack in _attacks(*target).items():  # each works from outside
-        if name != "write a file":
+        if name not in ("write a file", "type into its terminal"):
             attack()
     ctx = executor._context()
     ours, theirs = ctx.Pipe()
@@ -113,7 +132,8 @@ def test_a_taken_over_executor_can_do_nothing_outside_its_session(target):
     inside.join(10)
     refused = {"signal the worker", "take a handle on the worker", "start a process",
                "run a program", "undo its death signal", "lower the worker's priority",
-               "connect to Kubo's API"}  # fmt: skip
+               "connect to Kubo's API", "limit the worker", "share memory with anyone",
+               "change the mode of the worker's files", "type into its terminal"}  # fmt: skip
     if sandbox.landlock_abi() >= 1:  # the files, and /proc, are Landlock's
         refused |= {"read the worker's files", "write a file", "read the worker's memory"}
     got = {name: outcome[name] for name in refused}
