@@ -35,6 +35,7 @@ def _worker(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_size,
         requests_per_second=args.max_requests_per_second,
         request_burst=max(1, int(4 * args.max_requests_per_second)),
+        max_executors=args.max_executors,
     )
     if args.isolate:
         _shield_worker()
@@ -117,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.requests_per_second,
         metavar="N",
         help="per peer, in bursts of up to 4 s worth (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--max-executors",
+        type=int,
+        default=defaults.max_executors,
+        metavar="N",
+        help="client sessions running in executor processes at once; a session past it is "
+        "refused until one ends (default: %(default)s)",
     )
     worker.add_argument(
         "--isolate",

@@ -23,6 +23,10 @@ A client is one session of one authenticated peer (see worker.py). Policy:
                 evicts the peer's own least recently seen idle session. A session that a
                 transfer opens counts against the transfer's sender until its client adopts
                 it (worker.py).
+    executors   a worker runs at most `max_executors` executor processes at once (each
+                holds some 15 MB of its own, and sessions are free to open): a session
+                that needs one past that is refused, naming the limit, until another
+                session ends.
 
 Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()` (what
 `gg.local_grid` uses unless asked: an in-process grid serves only its own user).
@@ -72,6 +76,7 @@ class Limits:
     requests_per_second: float = 500.0
     request_burst: int = 2000
     sessions_per_peer: int = 64
+    max_executors: int = 64
 
     @classmethod
     def unlimited(cls) -> Limits:
@@ -83,6 +88,7 @@ class Limits:
             requests_per_second=math.inf,
             request_burst=1 << 62,
             sessions_per_peer=1 << 30,
+            max_executors=1 << 30,
         )
 
     def check_memory(self, needed: int, what: str) -> None:

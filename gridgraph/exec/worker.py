@@ -136,6 +136,7 @@ class Worker:
         self.limits = limits or Limits()
         # Run each session's programs in an executor process of its own (isolation/executor.py).
         self.isolate = isolate
+        self._executor_places = threading.BoundedSemaphore(self.limits.max_executors)
         if isolate:
             threading.Thread(target=executor.prewarm, daemon=True).start()
         self.recv_timeout = recv_timeout
@@ -508,10 +509,16 @@ class Worker:
             try:
                 if session.executor is None:
                     session.executor = executor.Executor(
-                        self.name, session.key, self.limits, self.recv_timeout
+                        self.name,
+                        session.key,
+                        self.limits,
+                        self.recv_timeout,
+                        self._executor_places,
                     )
                 held = session.memory() - session.elsewhere
                 reply = session.executor.request(payload, held, self, session)
+            except LimitExceeded as e:  # no executor to be had: the worker runs its maximum
+                reply = encode_reply(self.name, rid, error_body(self.name, e))
             except executor.ExecutorLost as e:
                 lost = executor.ExecutorLost(
                     f"this client's session on worker {self.name} was lost: its executor "

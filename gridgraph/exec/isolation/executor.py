@@ -52,6 +52,7 @@ import multiprocessing
 import os
 import resource
 import signal
+import threading
 import time
 from functools import cache
 from multiprocessing import forkserver, reduction, resource_tracker
@@ -62,7 +63,7 @@ import msgpack
 
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import sandbox
-from gridgraph.exec.limits import GiB, Limits
+from gridgraph.exec.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
 if TYPE_CHECKING:
@@ -104,7 +105,22 @@ def _nothing() -> None:
 class Executor:
     """The network process's handle on one session's executor process."""
 
-    def __init__(self, worker: str, session: str, limits: Limits, recv_timeout: float) -> None:
+    def __init__(
+        self,
+        worker: str,
+        session: str,
+        limits: Limits,
+        recv_timeout: float,
+        places: threading.BoundedSemaphore,
+    ) -> None:
+        """Start a session's executor in one of the worker's `places` (one per executor it
+        may run, `max_executors`), or raise LimitExceeded if none is free."""
+        if not places.acquire(blocking=False):
+            raise LimitExceeded(
+                f"worker {worker} already runs {limits.max_executors} client sessions in "
+                f"executor processes (max_executors); try again once one ends"
+            )
+        self.places: threading.BoundedSemaphore | None = places
         ctx = _context()
         self.conn, child = ctx.Pipe(duplex=True)
         self.limits = limits
@@ -114,8 +130,13 @@ class Executor:
             name=f"gridgraph-executor-{worker}",
             daemon=True,
         )
-        self.process.start()
-        child.close()
+        try:
+            self.process.start()
+        except BaseException:
+            places.release()
+            raise
+        finally:
+            child.close()
         self.lost: str | None = None
         self.max_data = data_limits(limits)
 
@@ -184,11 +205,14 @@ class Executor:
         raise ExecutorLost(cause)
 
     def close(self) -> None:
-        """Stop the process (it holds nothing worth saving)."""
+        """Stop the process (it holds nothing worth saving), and free its place."""
         if self.process.is_alive():
             self.process.kill()
         self.process.join(2.0)
         self.conn.close()
+        places, self.places = self.places, None
+        if places is not None:
+            places.release()
 
 
 def data_limits(limits: Limits) -> dict[str, float]:

@@ -154,7 +154,7 @@ def test_every_frame_from_a_taken_over_executor_is_checked(frame):
         session = Session("mallory/s", "mallory")
         handle = executor.Executor.__new__(executor.Executor)  # the network process's end
         handle.conn, taken = multiprocessing.Pipe(duplex=True)
-        handle.process, handle.lost = _Taken(), None
+        handle.process, handle.lost, handle.places = _Taken(), None, None
         handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
         for sent in frame if isinstance(frame[0], list) else [frame]:
             taken.send_bytes(sent if isinstance(sent, bytes) else msgpack.packb(sent))
@@ -186,3 +186,23 @@ def test_data_from_an_executor_is_read_only_up_to_what_its_kind_of_frame_may_hol
     with pytest.raises(ValueError, match="data of"):
         executor._receive(network, executor.data_limits(limits))
     assert executor.data_limits(limits) == {"transfer": 1 << 20, "reply": (8 << 20) + (1 << 20)}
+
+
+def test_executors_are_capped_worker_wide_and_a_session_past_the_cap_is_refused():
+    # Sessions cost nothing to open (any new identity gets 64), and each executor holds some
+    # 15 MB of its own: a thousand of them took the machine's memory and its process table.
+    with gg.local_grid(1, limits=Limits(max_executors=2), isolate=True) as grid:
+        a = torch.randn(4)
+        first = a.send(grid.workers[0])
+        other = second_client(grid, "second")
+        second = a.send(other.workers[0])
+        third = second_client(grid, "third")
+        assert "w0" in third.stats()["workers"]  # (stats need no executor)
+        with pytest.raises(gg.RemoteError, match="max_executors"):
+            a.send(third.workers[0])
+        assert torch.equal((first + 1).get(), a + 1)
+        assert torch.equal((second * 2).get(), a * 2)
+        other.close()  # its bye ends its executor, and frees its place
+        late = a.send(third.workers[0])
+        assert torch.equal((late - 1).get(), a - 1)
+        third.close()
