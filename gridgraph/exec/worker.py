@@ -255,14 +255,11 @@ class Worker:
                 )
             else:
                 error = None
-            rec = session.record(rid)  # a refusal is an answer too: recorded like one
+            session.record(rid)  # a refusal is an answer too: recorded like one
             if error is not None:
                 log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], key,
                             error)  # fmt: skip
-                reply = self._error_reply(rid, error)
-                session.replied(rec, reply)
-                rec.sent_at = arrived
-                self._outbox.put((reply_to, reply, None))
+                self._reply(session, rid, reply_to, self._error_reply(rid, error), queued=True)
                 return
             # One that arrives while another waits or runs is kept as received, decoded when
             # served: decoded, a header of many small containers holds some 70 times its
@@ -300,12 +297,7 @@ class Worker:
         for msg, _, payload in waiting:
             msg = msg if msg is not None else wire.decode(payload)  # (checked when it came)
             reply = self._error_reply(msg["id"], error)
-            with session.cv:
-                rec = session.records.get(msg["id"])
-                if rec is not None:
-                    session.replied(rec, reply)
-                    rec.sent_at = time.monotonic()
-            self._outbox.put((msg["reply_to"], reply, None))
+            self._reply(session, msg["id"], msg["reply_to"], reply, queued=True)
 
     def _over_rate(self) -> LimitExceeded:
         return LimitExceeded(
@@ -527,11 +519,24 @@ class Worker:
                 reply = encode_reply(self.name, rid, error_body(self.name, lost))
         if kind == "stats":  # the traffic is counted here, whatever runs the programs
             reply = self._with_traffic(session, rid, reply, bool(msg.get("reset")))
+        self._reply(session, rid, msg["reply_to"], reply, counted=kind != "stats")
+
+    def _reply(
+        self, session: Session, rid: str, reply_to: str, reply: bytes,
+        queued: bool = False, counted: bool = True,
+    ) -> None:  # fmt: skip
+        """Send `reply` to request `rid`, and keep it on the request's record to send again
+        if the client asks. `queued`: through the shared sender thread, for a caller that
+        must not block (the transport's reader); else published here, counted in the
+        session's traffic if `counted`. A resend that comes before `sent_at` is set waits."""
         with session.cv:
             rec = session.records.get(rid)
             if rec is not None:
                 session.replied(rec, reply)
-        self._publish(session, msg["reply_to"], reply, counted=kind != "stats")
+        if queued:
+            self._outbox.put((reply_to, reply, None))
+        else:
+            self._publish(session, reply_to, reply, counted)
         if rec is not None:
             rec.sent_at = time.monotonic()
 
