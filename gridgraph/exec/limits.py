@@ -157,6 +157,40 @@ def format_size(n: int) -> str:
 # --- requests per second ---------------------------------------------------------------------
 
 
+class SenderBudgets:
+    """Bytes each sender identity holds on a worker outside any session's own budget, each
+    up to `cap` (None: no limit). The worker charges here the transfers waiting in the
+    inbox of a session whose runs never named their sender: charged to the session, they
+    let anyone use up a client's memory with transfers it never asked for."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def charge(self, sender: str, nbytes: int) -> bool:
+        """Charge `sender` `nbytes` more; False (and nothing charged) past its cap."""
+        with self._lock:
+            held = self._held.get(sender, 0)
+            if self.cap is not None and held + nbytes > self.cap:
+                return False
+            self._held[sender] = held + nbytes
+            return True
+
+    def release(self, sender: str, nbytes: int) -> None:
+        with self._lock:
+            left = self._held.get(sender, 0) - nbytes
+            if left > 0:
+                self._held[sender] = left
+            else:
+                self._held.pop(sender, None)
+
+    def held(self, sender: str) -> int:
+        """What `sender` is charged now."""
+        with self._lock:
+            return self._held.get(sender, 0)
+
+
 class RateLimiter:
     """A token bucket per peer: `rate` requests a second, bursts of up to `burst`."""
 

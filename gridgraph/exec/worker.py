@@ -75,6 +75,7 @@ from gridgraph.exec.limits import (
     LimitExceeded,
     Limits,
     RateLimiter,
+    SenderBudgets,
     format_size,
 )
 from gridgraph.exec.session import (
@@ -144,9 +145,9 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
-        # sender identity -> bytes of its transfers kept for sessions whose runs never named
-        # it (under _lock): charged to it, up to the client memory limit, not to them
-        self._stray: dict[str, int] = {}
+        # what each sender's transfers hold in the inboxes of sessions whose runs never
+        # named it: charged to it, up to the client memory limit, not to those sessions
+        self.stray = SenderBudgets(self.limits.max_client_memory)
         self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
@@ -321,7 +322,7 @@ class Worker:
             self._make_room(peer, opened_by)
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
-                session.release_stray = self._release_stray
+                session.release_stray = self.stray.release
             session.opened_by = opened_by
             return session
 
@@ -375,7 +376,9 @@ class Worker:
         cap = self.limits.max_client_memory
 
         def fits(p: bytes) -> bool:
-            return self._charge_stray(sender, p) if stray else session.inbox_fits(p, cap)
+            if stray:
+                return self.stray.charge(sender, len(p) + TRANSFER_BYTES)
+            return session.inbox_fits(p, cap)
 
         if not fits(payload):
             msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
@@ -392,27 +395,7 @@ class Worker:
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
         if not session.deliver(key, sender, payload, stray) and stray:
-            self._release_stray(sender, len(payload) + TRANSFER_BYTES)
-
-    def _charge_stray(self, sender: str, payload: bytes) -> bool:
-        """Charge `sender` for keeping `payload` in the inbox of a session whose runs never
-        named it; False if that would take its stray transfers past the client memory
-        limit (one client's budget, as for a session of its own)."""
-        cost, cap = len(payload) + TRANSFER_BYTES, self.limits.max_client_memory
-        with self._lock:
-            held = self._stray.get(sender, 0)
-            if cap is not None and held + cost > cap:
-                return False
-            self._stray[sender] = held + cost
-            return True
-
-    def _release_stray(self, sender: str, nbytes: int) -> None:
-        with self._lock:
-            left = self._stray.get(sender, 0) - nbytes
-            if left > 0:
-                self._stray[sender] = left
-            else:
-                self._stray.pop(sender, None)
+            self.stray.release(sender, len(payload) + TRANSFER_BYTES)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""

@@ -389,7 +389,7 @@ def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
             transfer = {"kind": "transfer", "client": "mallory/s", "run": run_id, "src": "w1",
                         "values": list(range(16_000)), "tensors": empties}  # fmt: skip
             peer.publish("w0", wire.encode(transfer))
-        charged = grid.local_workers[0]._stray["mallory"]  # (no run of the session named it)
+        charged = grid.local_workers[0].stray.held("mallory")  # (no run of the session named it)
         assert charged > 5 * 16_000 * 14
         assert _tensors_alive() - before < 16_000
 
@@ -881,9 +881,9 @@ def test_transfers_from_identities_no_run_named_are_charged_to_their_sender():
         assert victim.request("w0", put)["ok"]
         worker = grid.local_workers[0]
         assert worker.sessions["alice/s"].memory() < cap * 3 // 4
-        assert cap // 2 < worker._stray["mallory"] <= cap  # the sender's budget, no more
+        assert cap // 2 < worker.stray.held("mallory") <= cap  # the sender's budget, no more
         assert victim.request("w0", {"kind": "bye"})["ok"]
-        assert "mallory" not in worker._stray  # released with the inbox that kept them
+        assert worker.stray.held("mallory") == 0  # released with the inbox that kept them
 
 
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "executor"])
