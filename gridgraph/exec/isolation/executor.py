@@ -18,7 +18,8 @@ Policy:
                limit and some room per core: an allocation past that fails as an op error.
     sandbox    before its first request the executor enters the sandbox (sandbox.py): no
                processes, signals, sockets or files beyond its own, and no capabilities. It
-               dies with its forkserver, which exits when the worker dies.
+               dies with its forkserver, which exits when the worker dies. It runs in a pids
+               cgroup of its own, which bounds its threads (tasks.py).
     time       the executor stops a program between steps at the time limit; one still
                running KILL_GRACE s later (a single long op) is killed.
     loss       a crash, kill or time-out ends that session only: its request gets an error
@@ -62,7 +63,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 from gridgraph.exec import wire
-from gridgraph.exec.isolation import sandbox
+from gridgraph.exec.isolation import sandbox, tasks
 from gridgraph.exec.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
@@ -137,6 +138,7 @@ class Executor:
             raise
         finally:
             child.close()
+        self.cgroup = tasks.confine(self.process.pid)  # before its first request: no threads
         self.lost: str | None = None
         self.max_data = data_limits(limits)
 
@@ -210,6 +212,7 @@ class Executor:
             self.process.kill()
         self.process.join(2.0)
         self.conn.close()
+        tasks.free(self.cgroup)
         places, self.places = self.places, None
         if places is not None:
             places.release()

@@ -34,12 +34,13 @@ Policy (an executor enters it before it serves its first request; the kernel enf
                (whose requests seccomp would not see). Scheduling and resource-limit changes
                apply only to the executor itself; no nice or I/O priority changes at all
                (those calls reach whole process groups and users).
-    not yet    a thread bomb: the kernel exempts uid 0 from RLIMIT_NPROC, and only a pids
-               cgroup would bound an executor's threads.
+    threads    bounded by a pids cgroup per executor, where the worker can make one
+               (tasks.py): the kernel exempts uid 0 from RLIMIT_NPROC.
 
 A refused call fails with EPERM (clone3 with ENOSYS, so that threads fall back to clone).
 Where the kernel lacks a part (Landlock before Linux 5.13; seccomp on an architecture other
-than x86-64 and arm64), `missing()` names it, and the worker logs a warning when it starts.
+than x86-64 and arm64; a pids cgroup the worker may make), `missing()` names it, and the
+worker logs a warning when it starts.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ import signal
 import struct
 import sys
 from functools import cache
+
+from gridgraph.exec.isolation import tasks
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -165,6 +168,8 @@ def missing() -> list[str]:
         gaps.append("Landlock (Linux 5.13 or later): executors can read the worker's files")
     elif landlock_abi() < 6:
         gaps.append("Landlock signal scope (Linux 6.12 or later): seccomp alone refuses signals")
+    if tasks.parent() is None:
+        gaps.append("a pids cgroup: an executor's threads are not bounded")
     return gaps
 
 

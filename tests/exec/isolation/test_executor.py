@@ -154,7 +154,7 @@ def test_every_frame_from_a_taken_over_executor_is_checked(frame):
         session = Session("mallory/s", "mallory")
         handle = executor.Executor.__new__(executor.Executor)  # the network process's end
         handle.conn, taken = multiprocessing.Pipe(duplex=True)
-        handle.process, handle.lost, handle.places = _Taken(), None, None
+        handle.process, handle.lost, handle.places, handle.cgroup = _Taken(), None, None, None
         handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
         for sent in frame if isinstance(frame[0], list) else [frame]:
             taken.send_bytes(sent if isinstance(sent, bytes) else msgpack.packb(sent))

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import gridgraph as gg
-from gridgraph.exec.isolation import executor, sandbox
+from gridgraph.exec.isolation import executor, sandbox, tasks
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -156,8 +156,53 @@ def test_a_live_executor_runs_in_the_sandbox():
         assert torch.equal((x @ x).get(), a @ a)
         session = next(iter(grid.local_workers[0].sessions.values()))
         status = _status(session.executor.process.pid)
+        cgroup = session.executor.cgroup
+        if tasks.parent() is not None:  # (the worker warns where it cannot make one)
+            with open(f"/proc/{session.executor.process.pid}/cgroup") as f:
+                assert any(
+                    line.endswith(cgroup[len(tasks.parent()) :]) for line in f.read().split()
+                )
+            with open(os.path.join(cgroup, "pids.max")) as f:
+                assert int(f.read()) == tasks.max_tasks()
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    assert cgroup is None or not os.path.exists(cgroup)  # removed with its executor
+
+
+def _bomb(conn) -> None:
+    """A taken-over executor starting threads until it can start no more."""
+    executor._let_go_of_the_worker()
+    sandbox.enter()
+    conn.recv()  # confined by now
+    stop, started = threading.Event(), 0
+    try:
+        while started < 5000:
+            threading.Thread(target=stop.wait, daemon=True).start()
+            started += 1
+    except RuntimeError:
+        pass
+    conn.send(started)
+    stop.set()
+
+
+@pytest.mark.skipif(tasks.parent() is None, reason="no pids cgroup can be made here")
+def test_a_thread_bomb_stops_at_the_executors_task_limit():
+    # The kernel exempts uid 0 from RLIMIT_NPROC: a taken-over executor of a root worker
+    # started threads until no process on the machine could start another.
+    ctx = executor._context()
+    ours, theirs = ctx.Pipe()
+    inside = ctx.Process(target=_bomb, args=(theirs,), daemon=True)
+    inside.start()
+    cgroup = tasks.confine(inside.pid)
+    try:
+        ours.send("go")
+        assert ours.poll(60)
+        started = ours.recv()
+        assert started < tasks.max_tasks() < 5000
+    finally:
+        inside.join(10)
+        tasks.free(cgroup)
+    assert not os.path.exists(cgroup)
 
 
 _WORKER = """
