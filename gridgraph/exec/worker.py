@@ -494,6 +494,12 @@ class Worker:
                 reply = session.executor.request(payload, held, self, session)
             except LimitExceeded as e:  # no executor to be had: the worker runs its maximum
                 reply = encode_reply(self.name, rid, error_body(self.name, e))
+            except OSError as e:  # none could be started (no descriptors, no memory, ...)
+                error = RequestError(
+                    f"worker {self.name} could not start a process for this session ({e}); "
+                    f"nothing ran, try again"
+                )
+                reply = encode_reply(self.name, rid, error_body(self.name, error))
             except executor.ExecutorLost as e:
                 lost = executor.ExecutorLost(
                     f"this client's session on worker {self.name} was lost: its executor "

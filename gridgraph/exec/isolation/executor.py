@@ -115,32 +115,32 @@ class Executor:
         places: threading.BoundedSemaphore,
     ) -> None:
         """Start a session's executor in one of the worker's `places` (one per executor it
-        may run, `max_executors`), or raise LimitExceeded if none is free."""
+        may run, `max_executors`). Raises LimitExceeded if none is free, and OSError if the
+        process cannot be started (its place is then free again)."""
         if not places.acquire(blocking=False):
             raise LimitExceeded(
                 f"worker {worker} already runs {limits.max_executors} client sessions in "
                 f"executor processes (max_executors); try again once one ends"
             )
         self.places: threading.BoundedSemaphore | None = places
-        ctx = _context()
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.limits = limits
-        self.process = ctx.Process(
-            target=_executor_main,
-            args=(child, worker, session, limits, recv_timeout),
-            name=f"gridgraph-executor-{worker}",
-            daemon=True,
-        )
+        self.limits, self.lost, self.max_data = limits, None, data_limits(limits)
         try:
-            self.process.start()
+            ctx = _context()
+            self.conn, child = ctx.Pipe(duplex=True)
+            self.process = ctx.Process(
+                target=_executor_main,
+                args=(child, worker, session, limits, recv_timeout),
+                name=f"gridgraph-executor-{worker}",
+                daemon=True,
+            )
+            try:
+                self.process.start()
+            finally:
+                child.close()
         except BaseException:
             places.release()
             raise
-        finally:
-            child.close()
         self.cgroup = tasks.confine(self.process.pid)  # before its first request: no threads
-        self.lost: str | None = None
-        self.max_data = data_limits(limits)
 
     def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
         """Serve one request in the executor: its reply. Raises ExecutorLost."""
@@ -149,8 +149,9 @@ class Executor:
         kill_at = worker.limits.deadline(time.monotonic()) + KILL_GRACE
         try:
             _send(self.conn, ["request", held], payload)
-            while True:
-                if not self.conn.poll(min(max(0.0, kill_at - time.monotonic()), 1e6)):
+            while True:  # (the limit holds even while frames keep coming)
+                left = kill_at - time.monotonic()
+                if left <= 0 or not self.conn.poll(min(left, 1e6)):
                     seconds = worker.limits.max_request_seconds
                     self._end(f"it ran past the time limit of {seconds:g} s and was killed")
                 frame, data = _receive(self.conn, self.max_data)

@@ -6,7 +6,9 @@ worker` does on IPFS; every value is compared with plain torch.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -111,6 +113,16 @@ class _Taken:
         pass
 
 
+def _taken_over() -> tuple[executor.Executor, multiprocessing.connection.Connection]:
+    """The network process's handle on a taken-over executor, and the executor's end of
+    their pipe, from which the test sends what it likes."""
+    handle = executor.Executor.__new__(executor.Executor)
+    handle.conn, taken = multiprocessing.Pipe(duplex=True)
+    handle.process, handle.lost, handle.places, handle.cgroup = _Taken(), None, None, None
+    handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
+    return handle, taken
+
+
 def _forged(**fields: object) -> bytes:
     """A transfer of session mallory/s's run 1 from w0, value 0, with `fields` changed."""
     msg = {"kind": "transfer", "client": "mallory/s", "run": 1, "src": "w0", "values": [0],
@@ -152,10 +164,7 @@ def _forged(**fields: object) -> bytes:
 def test_every_frame_from_a_taken_over_executor_is_checked(frame):
     with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
         session = Session("mallory/s", "mallory")
-        handle = executor.Executor.__new__(executor.Executor)  # the network process's end
-        handle.conn, taken = multiprocessing.Pipe(duplex=True)
-        handle.process, handle.lost, handle.places, handle.cgroup = _Taken(), None, None, None
-        handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
+        handle, taken = _taken_over()
         for sent in frame if isinstance(frame[0], list) else [frame]:
             taken.send_bytes(sent if isinstance(sent, bytes) else msgpack.packb(sent))
         outcome = []
@@ -206,3 +215,58 @@ def test_executors_are_capped_worker_wide_and_a_session_past_the_cap_is_refused(
         late = a.send(third.workers[0])
         assert torch.equal((late - 1).get(), a - 1)
         third.close()
+
+
+class _Flooding:
+    """The pipe from a taken-over executor that always has another valid transfer of its own
+    run waiting (for 30 s, then it ends)."""
+
+    def __init__(self, frame: bytes) -> None:
+        self.frame, self.until = frame, time.monotonic() + 30
+
+    def send_bytes(self, data: bytes) -> None:
+        pass
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return True
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        if time.monotonic() > self.until:
+            raise EOFError
+        return self.frame
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_executor_sending_frames_without_pause_is_still_stopped_at_the_time_limit():
+    # The limit was checked only when no frame was waiting: an executor that kept sending
+    # valid transfers of its own run was served, and had each published, for as long as it
+    # kept sending (a review sent 191,779 in 20 s under a 1 s limit).
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
+        handle, _ = _taken_over()
+        handle.conn = _Flooding(msgpack.packb(["transfer", "w1", "w1", 1, 0, _forged()]))
+        start = time.monotonic()
+        with pytest.raises(executor.ExecutorLost, match="time limit of 1 s"):
+            handle.request(b"", 0, grid.local_workers[0], Session("mallory/s", "mallory"))
+        assert time.monotonic() - start < 1 + executor.KILL_GRACE + 20  # not the flood's 30 s
+
+
+class _NoDescriptors:
+    """The executors' multiprocessing context on a worker out of file descriptors."""
+
+    def Pipe(self, duplex: bool = True):  # noqa: N802 (multiprocessing's name)
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+
+def test_an_executor_that_cannot_start_gets_an_error_reply_and_frees_its_place(monkeypatch):
+    # Its place was taken before the pipe was made, and never given back: after one fd
+    # shortage, a worker refused every new session for good; the request got no reply.
+    with gg.local_grid(1, limits=Limits(max_executors=1), isolate=True) as grid:
+        a = torch.randn(4)
+        monkeypatch.setattr(executor, "_context", _NoDescriptors)
+        with pytest.raises(gg.RemoteError, match="could not start a process"):
+            a.send(grid.workers[0])
+        monkeypatch.undo()
+        x = a.send(grid.workers[0])  # its place is free again
+        assert torch.equal((x + 1).get(), a + 1)
