@@ -58,7 +58,7 @@ import time
 from functools import cache
 from multiprocessing import forkserver, reduction, resource_tracker
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -147,13 +147,15 @@ class Executor:
         if self.lost is not None:
             raise ExecutorLost(self.lost)
         kill_at = worker.limits.deadline(time.monotonic()) + KILL_GRACE
+        seconds = worker.limits.max_request_seconds
+        over_time = f"it ran past the time limit of {seconds or 0:g} s and was killed"
+        killed = _WATCHDOG.watch(self.process, kill_at)  # whatever read or write it blocks in
         try:
             _send(self.conn, ["request", held], payload)
             while True:  # (the limit holds even while frames keep coming)
                 left = kill_at - time.monotonic()
                 if left <= 0 or not self.conn.poll(min(left, 1e6)):
-                    seconds = worker.limits.max_request_seconds
-                    self._end(f"it ran past the time limit of {seconds:g} s and was killed")
+                    self._end(over_time)
                 frame, data = _receive(self.conn, self.max_data)
                 # Every frame is checked: a kernel bug may have handed the client's program
                 # the executor, and then it sends whatever it likes.
@@ -172,9 +174,11 @@ class Executor:
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
         except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
-            self._end(self._cause())
+            self._end(over_time if killed.is_set() else self._cause())
         except RuntimeError:  # recv_handle: the frame announced a memfd, and bytes came
             self._end("it sent data where a memfd was announced")
+        finally:
+            _WATCHDOG.forget(self.process)
 
     def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
         """Answer a `recv` frame (checked by `_recv_frame`) with the transfer it waits for."""
@@ -217,6 +221,56 @@ class Executor:
         places, self.places = self.places, None
         if places is not None:
             places.release()
+
+
+class _Watchdog:
+    """Kills an executor still serving a request at its kill time. The request loop checks
+    the time between frames, but a frame cut short blocks the read inside it: a taken-over
+    executor that sent 4 bytes of a frame's header held its session, and its place, for
+    ever. One thread for all executors, started on first use; it sleeps till the next
+    deadline."""
+
+    def __init__(self) -> None:
+        self._due: dict[Any, tuple[float, threading.Event]] = {}  # process -> (when, killed)
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, process: Any, at: float) -> threading.Event:
+        """Kill `process` at monotonic time `at` unless forgotten first; the event is set
+        if it was killed."""
+        killed = threading.Event()
+        if math.isinf(at):
+            return killed
+        with self._cv:
+            self._due[process] = (at, killed)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="executor-watchdog")
+                self._thread.daemon = True
+                self._thread.start()
+            self._cv.notify()
+        return killed
+
+    def forget(self, process: Any) -> None:
+        with self._cv:
+            self._due.pop(process, None)
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                for process, (at, killed) in list(self._due.items()):
+                    if at <= now:
+                        del self._due[process]
+                        killed.set()
+                        try:
+                            process.kill()
+                        except Exception:  # (gone already): the watch goes on for the rest
+                            log.exception("watchdog: killing an executor failed")
+                nearest = min((at for at, _ in self._due.values()), default=now + 60)
+                self._cv.wait(max(0.0, nearest - now))
+
+
+_WATCHDOG = _Watchdog()
 
 
 def data_limits(limits: Limits) -> dict[str, float]:

@@ -112,6 +112,9 @@ class _Taken:
     def join(self, timeout: float | None = None) -> None:
         pass
 
+    def kill(self) -> None:
+        pass
+
 
 def _taken_over() -> tuple[executor.Executor, multiprocessing.connection.Connection]:
     """The network process's handle on a taken-over executor, and the executor's end of
@@ -270,3 +273,35 @@ def test_an_executor_that_cannot_start_gets_an_error_reply_and_frees_its_place(m
         monkeypatch.undo()
         x = a.send(grid.workers[0])  # its place is free again
         assert torch.equal((x + 1).get(), a + 1)
+
+
+class _Dying(_Taken):
+    """A taken-over executor's process, whose end of the pipe closes when it is killed."""
+
+    def __init__(self, end: multiprocessing.connection.Connection) -> None:
+        self.end = end
+
+    def kill(self) -> None:
+        self.end.close()
+
+
+def test_an_executor_that_sends_part_of_a_frame_is_killed_at_the_time_limit():
+    # The time was checked between frames only: 4 bytes of a frame's header blocked the read
+    # of the rest for ever, and held the session and its executor's place with it.
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
+        handle, taken = _taken_over()
+        handle.process = _Dying(taken)
+        os.write(taken.fileno(), (100).to_bytes(4, "big"))  # a 100-byte frame's header, only
+        outcome = []
+
+        def serve() -> None:
+            try:
+                handle.request(b"", 0, grid.local_workers[0], Session("mallory/s", "mallory"))
+            except executor.ExecutorLost as e:
+                outcome.append(str(e))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        thread.join(1 + executor.KILL_GRACE + 20)
+        assert not thread.is_alive(), "the network process still waits for the frame's rest"
+        assert outcome and "time limit of 1 s" in outcome[0]
