@@ -27,17 +27,24 @@ Policy:
                client). Other sessions are untouched.
     wire       nothing crosses the boundary as pickle. Control frames are msgpack lists over
                a pipe; messages (requests, replies, transfers, in the wire format and checked
-               by `wire.decode` on the way in) travel through an anonymous shared-memory file
-               (memfd) whose descriptor is passed along, never through the pipe.
+               by `wire.decode` on the way in) larger than INLINE_MAX travel through two
+               anonymous shared-memory files (memfds), one each way, that the network process
+               makes and hands the executor once, at its start. An executor never makes a
+               memfd (its pages would escape its address-space limit) nor sends a descriptor
+               (descriptors in flight count against one per-user budget that every executor
+               shares): the sandbox refuses both. Each file holds one message at a time:
+               its reader takes it before the writer writes another (a large transfer waits
+               for ["ack"]), and empties a large one's pages once read.
 
-Frames (network process -> executor, and back; `+ data` is a memfd, or inline bytes when
-small):
+Frames (network process -> executor, and back; `+ data`: inline bytes when small, else the
+size of the message in the sender's shared file):
     ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
                                                                    holds for the session)
     while serving, the executor may send
     ["transfer", dst, peer, run, value] + data  the network process publishes it to worker
                                                 `dst`, sealed for identity `peer` (value: the
-                                                first value id the transfer carries)
+                                                first value id the transfer carries); answered
+                                                ["ack"] if its data was in the shared file
     ["recv", run, value, src, peer, seconds]    answered ["recv-ok"] + data (the transfer
                                                 identity `peer` sent), or
                                                 ["recv-error", "upstream" | "timeout", text]
@@ -74,7 +81,7 @@ log = logging.getLogger("gridgraph.executor")
 
 KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is killed
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
-HANDLE_WAIT = 5.0  # seconds a frame's memfd may lag behind it
+SHRINK_PAST = 1 << 20  # a shared file is emptied after a message larger than this
 FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
 
 
@@ -124,9 +131,12 @@ class Executor:
             )
         self.places: threading.BoundedSemaphore | None = places
         self.limits, self.lost, self.max_data = limits, None, data_limits(limits)
+        channel = None
         try:
             ctx = _context()
-            self.conn, child = ctx.Pipe(duplex=True)
+            conn, child = ctx.Pipe(duplex=True)
+            down, up = _shared_file("down"), _shared_file("up")  # (closed with the channel)
+            self.channel = channel = _Channel(conn, out=down, into=up)
             self.process = ctx.Process(
                 target=_executor_main,
                 args=(child, worker, session, limits, recv_timeout),
@@ -135,9 +145,13 @@ class Executor:
             )
             try:
                 self.process.start()
+                reduction.send_handle(conn, down, self.process.pid)  # before the sandbox
+                reduction.send_handle(conn, up, self.process.pid)
             finally:
                 child.close()
         except BaseException:
+            if channel is not None:
+                channel.close()
             places.release()
             raise
         self.cgroup = tasks.confine(self.process.pid)  # before its first request: no threads
@@ -151,12 +165,12 @@ class Executor:
         over_time = f"it ran past the time limit of {seconds or 0:g} s and was killed"
         killed = _WATCHDOG.watch(self.process, kill_at)  # whatever read or write it blocks in
         try:
-            _send(self.conn, ["request", held], payload)
+            self.channel.send(["request", held], payload)
             while True:  # (the limit holds even while frames keep coming)
                 left = kill_at - time.monotonic()
-                if left <= 0 or not self.conn.poll(min(left, 1e6)):
+                if left <= 0 or not self.channel.conn.poll(min(left, 1e6)):
                     self._end(over_time)
-                frame, data = _receive(self.conn, self.max_data)
+                frame, data = self.channel.receive(self.max_data)
                 # Every frame is checked: a kernel bug may have handed the client's program
                 # the executor, and then it sends whatever it likes.
                 if frame[0] == "reply" and len(frame) == 2 and _count(frame[1]):
@@ -168,6 +182,8 @@ class Executor:
                         self._end(f"it sent a malformed frame {frame!r:.60}")
                     if not _own_transfer(data, session.key, worker.name, run, value):
                         self._end("it sent a transfer of another client's run or worker")
+                    if len(data) > INLINE_MAX:  # it may write the shared file again
+                        self.channel.send(["ack"])
                     worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
                 elif frame[0] == "recv" and len(frame) == 6 and _recv_frame(frame):
                     self._recv(worker, session, frame, kill_at)
@@ -175,8 +191,6 @@ class Executor:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
         except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
             self._end(over_time if killed.is_set() else self._cause())
-        except RuntimeError:  # recv_handle: the frame announced a memfd, and bytes came
-            self._end("it sent data where a memfd was announced")
         finally:
             _WATCHDOG.forget(self.process)
 
@@ -188,11 +202,11 @@ class Executor:
         try:
             payload = worker.wait_transfer(session, key, str(peer), deadline)
         except UpstreamFailed as e:
-            _send(self.conn, ["recv-error", "upstream", str(e)])
+            self.channel.send(["recv-error", "upstream", str(e)])
         except TimeoutError as e:
-            _send(self.conn, ["recv-error", "timeout", str(e)])
+            self.channel.send(["recv-error", "timeout", str(e)])
         else:
-            _send(self.conn, ["recv-ok"], payload)
+            self.channel.send(["recv-ok"], payload)
 
     def _cause(self) -> str:
         self.process.join(1.0)
@@ -216,7 +230,7 @@ class Executor:
         if self.process.is_alive():
             self.process.kill()
         self.process.join(2.0)
-        self.conn.close()
+        self.channel.close()
         tasks.free(self.cgroup)
         places, self.places = self.places, None
         if places is not None:
@@ -234,6 +248,7 @@ class _Watchdog:
         self._due: dict[Any, tuple[float, threading.Event]] = {}  # process -> (when, killed)
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._wakes_at = math.inf  # when the thread looks next (under _cv)
 
     def watch(self, process: Any, at: float) -> threading.Event:
         """Kill `process` at monotonic time `at` unless forgotten first; the event is set
@@ -247,7 +262,8 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="executor-watchdog")
                 self._thread.daemon = True
                 self._thread.start()
-            self._cv.notify()
+            elif at < self._wakes_at:  # (else it looks in time: no wake-up per request)
+                self._cv.notify()
         return killed
 
     def forget(self, process: Any) -> None:
@@ -266,8 +282,8 @@ class _Watchdog:
                             process.kill()
                         except Exception:  # (gone already): the watch goes on for the rest
                             log.exception("watchdog: killing an executor failed")
-                nearest = min((at for at, _ in self._due.values()), default=now + 60)
-                self._cv.wait(max(0.0, nearest - now))
+                self._wakes_at = min((at for at, _ in self._due.values()), default=now + 60)
+                self._cv.wait(max(0.0, self._wakes_at - now))
 
 
 _WATCHDOG = _Watchdog()
@@ -324,51 +340,58 @@ def _recv_frame(frame: list) -> bool:
 # --- framing ---------------------------------------------------------------------------------
 
 
-def _send(conn: Connection, frame: list, data: bytes | bytearray | None = None) -> None:
-    if data is None:
-        conn.send_bytes(msgpack.packb(frame))
-    elif len(data) <= INLINE_MAX:
-        conn.send_bytes(msgpack.packb([*frame, bytes(data)]))
-    else:
-        fd = os.memfd_create("gridgraph", os.MFD_CLOEXEC)
-        try:
+def _shared_file(name: str) -> int:
+    return os.memfd_create(f"gridgraph-{name}", os.MFD_CLOEXEC)
+
+
+class _Channel:
+    """One end of the pipe between the network process and an executor, with the two
+    shared files: `out`, where this end writes the messages too large to ride inline, and
+    `into`, where the other end does."""
+
+    def __init__(self, conn: Connection, out: int, into: int) -> None:
+        self.conn, self.out, self.into = conn, out, into
+
+    def send(self, frame: list, data: bytes | bytearray | None = None) -> None:
+        if data is None:
+            self.conn.send_bytes(msgpack.packb(frame))
+        elif len(data) <= INLINE_MAX:
+            self.conn.send_bytes(msgpack.packb([*frame, bytes(data)]))
+        else:
             view, done = memoryview(data), 0
             while done < len(view):
-                done += os.pwrite(fd, view[done:], done)
-            conn.send_bytes(msgpack.packb([*frame, len(data)]))
-            reduction.send_handle(conn, fd, 0)
-        finally:
-            os.close(fd)
+                done += os.pwrite(self.out, view[done:], done)
+            self.conn.send_bytes(msgpack.packb([*frame, len(data)]))
 
-
-def _receive(conn: Connection, max_data: dict[str, float]) -> tuple[list, bytearray | None]:
-    """A frame and its data (None if it carries none), the data at most `max_data` of its
-    kind of frame (no limit for a kind not there)."""
-    frame = msgpack.unpackb(conn.recv_bytes(FRAME_MAX))
-    if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
-        raise ValueError("malformed frame")
-    if frame[0] not in ("request", "reply", "transfer", "recv-ok"):
-        return frame, None
-    last = frame.pop()
-    if isinstance(last, bytes):
-        return frame, bytearray(last)
-    limit = max_data.get(frame[0], math.inf)
-    if type(last) is not int or not INLINE_MAX < last <= limit:  # (less rides inline)
-        raise ValueError(f"data of {last!r} bytes")
-    if not conn.poll(HANDLE_WAIT):  # its memfd follows the frame at once, if it comes at all
-        raise ValueError("a frame announced shared data that did not come")
-    fd = reduction.recv_handle(conn)
-    try:
-        data = bytearray(last)
+    def receive(self, max_data: dict[str, float]) -> tuple[list, bytearray | None]:
+        """A frame and its data (None if it carries none), the data at most `max_data` of
+        its kind of frame (no limit for a kind not there)."""
+        frame = msgpack.unpackb(self.conn.recv_bytes(FRAME_MAX))
+        if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
+            raise ValueError("malformed frame")
+        if frame[0] not in ("request", "reply", "transfer", "recv-ok"):
+            return frame, None
+        last = frame.pop()
+        if isinstance(last, bytes):
+            return frame, bytearray(last)
+        limit = max_data.get(frame[0], math.inf)
+        if type(last) is not int or not INLINE_MAX < last <= limit:  # (less rides inline)
+            raise ValueError(f"data of {last!r} bytes")
+        data = bytearray(last)  # a copy: the writer cannot change what is checked
         view, done = memoryview(data), 0
         while done < last:
-            n = os.preadv(fd, [view[done:]], done)
+            n = os.preadv(self.into, [view[done:]], done)
             if n == 0:
                 raise ValueError("shared data shorter than announced")
             done += n
+        if last > SHRINK_PAST:
+            os.ftruncate(self.into, 0)  # its pages go back now, not at the next message
         return frame, data
-    finally:
-        os.close(fd)
+
+    def close(self) -> None:
+        self.conn.close()
+        for fd in (self.out, self.into):
+            os.close(fd)
 
 
 # --- the executor process ----------------------------------------------------------------------
@@ -377,19 +400,25 @@ def _receive(conn: Connection, max_data: dict[str, float]) -> tuple[list, bytear
 class _ExecutorHost:
     """What a session's programs see of the worker, from inside the executor (session.Host)."""
 
-    def __init__(self, conn: Connection, name: str, limits: Limits, recv_timeout: float):
-        self.conn, self.name, self.limits, self.recv_timeout = conn, name, limits, recv_timeout
+    def __init__(self, channel: _Channel, name: str, limits: Limits, recv_timeout: float):
+        self.channel, self.name = channel, name
+        self.limits, self.recv_timeout = limits, recv_timeout
 
     def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
-        _send(self.conn, ["transfer", dst, peer, *transfer_key(msg)], wire.encode(msg))
+        data = wire.encode(msg)
+        self.channel.send(["transfer", dst, peer, *transfer_key(msg)], data)
+        if len(data) > INLINE_MAX:  # the shared file is free once the other end read it
+            frame, _ = self.channel.receive({})
+            if frame != ["ack"]:
+                raise ValueError(f"expected an ack, got {frame!r:.60}")
 
     def receive(
         self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
     ) -> dict:
         run, value, src = key
         seconds = max(0.0, deadline - time.monotonic())
-        _send(self.conn, ["recv", run, value, src, peer, seconds])
-        frame, data = _receive(self.conn, {})
+        self.channel.send(["recv", run, value, src, peer, seconds])
+        frame, data = self.channel.receive({})
         if frame[0] == "recv-ok":
             return wire.decode(data)
         if frame[0] == "recv-error" and frame[1] == "upstream":
@@ -402,13 +431,16 @@ def _executor_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the worker, which kills us
     _let_go_of_the_worker()
+    down, up = reduction.recv_handle(conn), reduction.recv_handle(conn)
+    channel = _Channel(conn, out=up, into=down)
     _cap_address_space(limits.max_client_memory)
+    _cap_file_size(max(data_limits(limits).values()))
     sandbox.enter()  # from here on, the client's program may own this process
     session = Session(key, key.split("/", 1)[0])
-    host = _ExecutorHost(conn, name, limits, recv_timeout)
+    host = _ExecutorHost(channel, name, limits, recv_timeout)
     while True:
         try:
-            frame, data = _receive(conn, {})
+            frame, data = channel.receive({})
         except EOFError:
             return
         if frame[0] != "request":
@@ -416,7 +448,7 @@ def _executor_main(
         session.elsewhere = int(frame[1])
         msg = wire.decode(data)  # checked by the network process already
         reply = answer(host, session, msg, len(data))
-        _send(conn, ["reply", session.memory() - session.elsewhere], reply)
+        channel.send(["reply", session.memory() - session.elsewhere], reply)
 
 
 def _let_go_of_the_worker() -> None:
@@ -430,6 +462,15 @@ def _let_go_of_the_worker() -> None:
         if fd is not None:
             os.close(fd)
             setattr(holder, attribute, None)
+
+
+def _cap_file_size(largest: float) -> None:
+    """Cap what the executor can write into a shared file at its largest message: pages of
+    a file are outside its address-space limit, and a taken-over executor filled one past
+    the machine's memory (the kernel's OOM killer then picked other processes)."""
+    if math.isfinite(largest):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails, no more
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(largest), int(largest)))
 
 
 def _cap_address_space(client_memory: int | None) -> None:

@@ -22,7 +22,10 @@ Policy (an executor enters it before it serves its first request; the kernel enf
                No file's mode, owner, times or extended attributes change (seccomp: Landlock
                does not cover those), and no file is watched.
     IPC        no System V or POSIX IPC objects: shared by every process of the user, and
-               outliving the executor.
+               outliving the executor. No descriptor sent (sendmsg): descriptors in flight
+               count against one budget per user, and one executor filled it for all.
+    pages      no memfd of its own (a memfd's pages lie outside its address-space limit),
+               and a file-size limit on the shared files it writes (executor.py).
     terminal   a session of its own (setsid), so no controlling terminal, and no TIOCSTI or
                TIOCLINUX ioctl: nothing typed into the operator's shell.
     privilege  no capabilities, and no_new_privs. A worker that runs as root gives its
@@ -89,7 +92,7 @@ _NR = {
         semctl=66, semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240,
         mq_unlink=241, mq_timedsend=242, mq_timedreceive=243, mq_notify=244,
         mq_getsetattr=245, inotify_init=253, inotify_init1=294, inotify_add_watch=254,
-        fanotify_init=300, fanotify_mark=301,
+        fanotify_init=300, fanotify_mark=301, memfd_create=319, sendmsg=46, sendmmsg=307,
     ),
     "aarch64": dict(
         kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240,
@@ -109,6 +112,7 @@ _NR = {
         msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180, mq_unlink=181,
         mq_timedsend=182, mq_timedreceive=183, mq_notify=184, mq_getsetattr=185,
         inotify_init1=26, inotify_add_watch=27, fanotify_init=262, fanotify_mark=263,
+        memfd_create=279, sendmsg=211, sendmmsg=269,
     ),
 }
 # fmt: on
@@ -126,6 +130,9 @@ _REFUSED = (
     "utimensat setxattr lsetxattr fsetxattr removexattr lremovexattr fremovexattr "
     "setxattrat removexattrat inotify_init inotify_init1 inotify_add_watch fanotify_init "
     "fanotify_mark "
+    # memory its limits do not see (a memfd's pages are outside its address space), and
+    # descriptors in flight (one budget per user, which every executor shares)
+    "memfd_create sendmsg sendmmsg "
     # System V and POSIX IPC: shared with every process of the user, and outliving it
     "shmget shmat shmctl shmdt semget semop semctl semtimedop msgget msgsnd msgrcv msgctl "
     "mq_open mq_unlink mq_timedsend mq_timedreceive mq_notify mq_getsetattr"

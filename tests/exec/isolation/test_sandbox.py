@@ -27,14 +27,16 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec.isolation import executor, sandbox, tasks
+from gridgraph.exec.limits import Limits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
-def _attacks(worker: int, secret: str, planted: str, port: int) -> dict:
+def _attacks(worker: int, secret: str, planted: str, port: int, pair: socket.socket) -> dict:
     """What a taken-over executor would try, each a call that succeeds outside the sandbox:
     `worker` is the worker's pid, `secret` a file of the worker's, `port` a listening
-    loopback port (Kubo's RPC API, say)."""
+    loopback port (Kubo's RPC API, say), `pair` one end of a socket pair (as its pipe to
+    the worker is)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def start_a_process() -> None:
@@ -73,6 +75,8 @@ def _attacks(worker: int, secret: str, planted: str, port: int) -> dict:
         ),
         "share memory with anyone": share_memory_with_anyone,
         "type into its terminal": type_into_its_terminal,
+        "hold memory its limits do not see": lambda: os.close(os.memfd_create("hoard")),
+        "put descriptors in flight": lambda: socket.send_fds(pair, [b"x"], [0]),
         "take a handle on the worker": lambda: os.close(os.pidfd_open(worker)),
         "lower the worker's priority": lambda: os.setpriority(
             os.PRIO_PROCESS, worker, os.getpriority(os.PRIO_PROCESS, worker)
@@ -91,9 +95,10 @@ def _from_inside(conn, worker: int, secret: str, planted: str, port: int) -> Non
     """The taken-over executor: enter the sandbox as executors do, then try each attack and
     some honest work, and report what happened."""
     executor._let_go_of_the_worker()
+    pair, _ = socket.socketpair()
     sandbox.enter()
     outcome = {}
-    for name, attack in _attacks(worker, secret, planted, port).items():
+    for name, attack in _attacks(worker, secret, planted, port, pair).items():
         try:
             attack()
             outcome[name] = "done"
@@ -120,9 +125,13 @@ def target(tmp_path):
 
 
 def test_a_taken_over_executor_can_do_nothing_outside_its_session(target):
-    for name, attack in _attacks(*target).items():  # each works from outside
+    pair, other = socket.socketpair()
+    for name, attack in _attacks(*target, pair).items():  # each works from outside
         if name not in ("write a file", "type into its terminal"):
             attack()
+    pair.close()
+    other.close()
+
     ctx = executor._context()
     ours, theirs = ctx.Pipe()
     inside = ctx.Process(target=_from_inside, args=(theirs, *target), daemon=True)
@@ -133,7 +142,8 @@ def test_a_taken_over_executor_can_do_nothing_outside_its_session(target):
     refused = {"signal the worker", "take a handle on the worker", "start a process",
                "run a program", "undo its death signal", "lower the worker's priority",
                "connect to Kubo's API", "limit the worker", "share memory with anyone",
-               "change the mode of the worker's files", "type into its terminal"}  # fmt: skip
+               "change the mode of the worker's files", "type into its terminal",
+               "hold memory its limits do not see", "put descriptors in flight"}  # fmt: skip
     if sandbox.landlock_abi() >= 1:  # the files, and /proc, are Landlock's
         refused |= {"read the worker's files", "write a file", "read the worker's memory"}
     got = {name: outcome[name] for name in refused}
@@ -150,12 +160,15 @@ def _status(pid: int) -> dict[str, str]:
 
 
 def test_a_live_executor_runs_in_the_sandbox():
-    with gg.local_grid(1, isolate=True) as grid:
+    limits = Limits(max_client_memory=64 << 20)
+    with gg.local_grid(1, limits=limits, isolate=True) as grid:
         a = torch.randn(64, 64)
         x = a.send(grid.workers[0])
         assert torch.equal((x @ x).get(), a @ a)
         session = next(iter(grid.local_workers[0].sessions.values()))
         status = _status(session.executor.process.pid)
+        with open(f"/proc/{session.executor.process.pid}/limits") as f:
+            file_size = next(line.split()[3] for line in f if line.startswith("Max file size"))
         cgroup = session.executor.cgroup
         if tasks.parent() is not None:  # (the worker warns where it cannot make one)
             with open(f"/proc/{session.executor.process.pid}/cgroup") as f:
@@ -166,6 +179,7 @@ def test_a_live_executor_runs_in_the_sandbox():
                 assert int(f.read()) == tasks.max_tasks()
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    assert int(file_size) == max(executor.data_limits(limits).values())  # its shared file
     assert cgroup is None or not os.path.exists(cgroup)  # removed with its executor
 
 
