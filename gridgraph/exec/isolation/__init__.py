@@ -4,5 +4,5 @@ executor.py   starts, feeds and supervises a session's executor (the network pro
               side), and the executor's own loop
 preload.py    what the executors' forkserver imports once (torch), so executors start warm
 sandbox.py    what a taken-over executor can reach: seccomp, Landlock, no capabilities
-tasks.py      a pids cgroup per executor: a bound on its threads
+cgroups.py    cgroups per executor: bounds on its threads and its memory
 """

@@ -19,7 +19,8 @@ Policy:
     sandbox    before its first request the executor enters the sandbox (sandbox.py): no
                processes, signals, sockets or files beyond its own, and no capabilities. It
                dies with its forkserver, which exits when the worker dies. It runs in a pids
-               cgroup of its own, which bounds its threads (tasks.py).
+               cgroup of its own, which bounds its threads, and a memory cgroup of its own
+               (cgroups.py): past `memory_limit` the kernel kills it, and only it.
     time       the executor stops a program between steps at the time limit; one still
                running KILL_GRACE s later (a single long op) is killed.
     loss       a crash, kill or time-out ends that session only: its request gets an error
@@ -70,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from gridgraph.exec import wire
-from gridgraph.exec.isolation import sandbox, tasks
+from gridgraph.exec.isolation import cgroups, sandbox
 from gridgraph.exec.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
@@ -154,7 +155,8 @@ class Executor:
                 channel.close()
             places.release()
             raise
-        self.cgroup = tasks.confine(self.process.pid)  # before its first request: no threads
+        # (before its first request: it has no threads yet, nor anything of the client's)
+        self.cgroups = cgroups.confine(self.process.pid, memory_limit(limits))
 
     def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
         """Serve one request in the executor: its reply. Raises ExecutorLost."""
@@ -231,7 +233,7 @@ class Executor:
             self.process.kill()
         self.process.join(2.0)
         self.channel.close()
-        tasks.free(self.cgroup)
+        cgroups.free(self.cgroups)
         places, self.places = self.places, None
         if places is not None:
             places.release()
@@ -298,6 +300,22 @@ def data_limits(limits: Limits) -> dict[str, float]:
         "transfer": limits.max_message_bytes,
         "reply": math.inf if cap is None else cap + (1 << 20),
     }
+
+
+def memory_limit(limits: Limits) -> int | None:
+    """The memory an executor may hold (its cgroup's limit), None without a client memory
+    limit: the room its address space has, its two shared files at their largest (their
+    pages lie outside its address space), and torch's own pages."""
+    cap = limits.max_client_memory
+    if cap is None:
+        return None
+    return _room(cap) + 2 * int(max(data_limits(limits).values())) + GiB
+
+
+def _room(client_memory: int) -> int:
+    """What an executor may take beyond what it holds at start: twice the client's memory
+    (an op's inputs, its output and its scratch at once), and working room per core."""
+    return 2 * client_memory + GiB + (256 << 20) * (os.cpu_count() or 1)
 
 
 def _count(v: object) -> bool:
@@ -479,5 +497,5 @@ def _cap_address_space(client_memory: int | None) -> None:
         return
     with open("/proc/self/status") as status:
         mapped = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize"))
-    room = 2 * client_memory + GiB + (256 << 20) * (os.cpu_count() or 1)
+    room = _room(client_memory)
     resource.setrlimit(resource.RLIMIT_AS, (mapped + room, mapped + room))

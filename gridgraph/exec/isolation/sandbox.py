@@ -38,12 +38,13 @@ Policy (an executor enters it before it serves its first request; the kernel enf
                apply only to the executor itself; no nice or I/O priority changes at all
                (those calls reach whole process groups and users).
     threads    bounded by a pids cgroup per executor, where the worker can make one
-               (tasks.py): the kernel exempts uid 0 from RLIMIT_NPROC.
+               (cgroups.py): the kernel exempts uid 0 from RLIMIT_NPROC. Its memory too,
+               shared files included, by a memory cgroup.
 
 A refused call fails with EPERM (clone3 with ENOSYS, so that threads fall back to clone).
-Where the kernel lacks a part (Landlock before Linux 5.13; seccomp on an architecture other
-than x86-64 and arm64; a pids cgroup the worker may make), `missing()` names it, and the
-worker logs a warning when it starts.
+Where the machine lacks a part (Landlock before Linux 5.13; seccomp on an architecture
+other than x86-64 and arm64; pids and memory cgroups the worker may make), `missing()`
+names it, and the worker logs a warning when it starts.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import struct
 import sys
 from functools import cache
 
-from gridgraph.exec.isolation import tasks
+from gridgraph.exec.isolation import cgroups
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -175,8 +176,10 @@ def missing() -> list[str]:
         gaps.append("Landlock (Linux 5.13 or later): executors can read the worker's files")
     elif landlock_abi() < 6:
         gaps.append("Landlock signal scope (Linux 6.12 or later): seccomp alone refuses signals")
-    if tasks.parent() is None:
+    if cgroups.parent("pids") is None:
         gaps.append("a pids cgroup: an executor's threads are not bounded")
+    if cgroups.parent("memory") is None:
+        gaps.append("a memory cgroup: an executor's shared files are bounded by size only")
     return gaps
 
 

@@ -125,7 +125,7 @@ def _taken_over() -> tuple[executor.Executor, multiprocessing.connection.Connect
     handle = executor.Executor.__new__(executor.Executor)
     network, taken = multiprocessing.Pipe(duplex=True)
     handle.channel = executor._Channel(network, out=os.memfd_create("d"), into=os.memfd_create("u"))
-    handle.process, handle.lost, handle.places, handle.cgroup = _Taken(), None, None, None
+    handle.process, handle.lost, handle.places, handle.cgroups = _Taken(), None, None, []
     handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
     return handle, taken
 

@@ -21,12 +21,13 @@ import sys
 import textwrap
 import threading
 import time
+from multiprocessing import reduction
 
 import pytest
 import torch
 
 import gridgraph as gg
-from gridgraph.exec.isolation import executor, sandbox, tasks
+from gridgraph.exec.isolation import cgroups, executor, sandbox
 from gridgraph.exec.limits import Limits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
@@ -169,18 +170,22 @@ def test_a_live_executor_runs_in_the_sandbox():
         status = _status(session.executor.process.pid)
         with open(f"/proc/{session.executor.process.pid}/limits") as f:
             file_size = next(line.split()[3] for line in f if line.startswith("Max file size"))
-        cgroup = session.executor.cgroup
-        if tasks.parent() is not None:  # (the worker warns where it cannot make one)
+        made = session.executor.cgroups
+        for controller, limit in (("pids", cgroups.max_tasks()),
+                                  ("memory", executor.memory_limit(limits))):  # fmt: skip
+            if cgroups.parent(controller) is None:  # (the worker warns where it cannot)
+                continue
+            base, version = cgroups.parent(controller)
+            path = next(p for p in made if p.startswith(base))
             with open(f"/proc/{session.executor.process.pid}/cgroup") as f:
-                assert any(
-                    line.endswith(cgroup[len(tasks.parent()) :]) for line in f.read().split()
-                )
-            with open(os.path.join(cgroup, "pids.max")) as f:
-                assert int(f.read()) == tasks.max_tasks()
+                assert any(line.endswith(path[len(base) :]) for line in f.read().split())
+            name = {"pids": "pids.max", "memory": "memory.limit_in_bytes"}[controller]
+            with open(os.path.join(path, name if version == 1 else "memory.max")) as f:
+                assert int(f.read()) == limit
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     assert int(file_size) == max(executor.data_limits(limits).values())  # its shared file
-    assert cgroup is None or not os.path.exists(cgroup)  # removed with its executor
+    assert made and not any(os.path.exists(p) for p in made)  # removed with its executor
 
 
 def _bomb(conn) -> None:
@@ -199,7 +204,7 @@ def _bomb(conn) -> None:
     stop.set()
 
 
-@pytest.mark.skipif(tasks.parent() is None, reason="no pids cgroup can be made here")
+@pytest.mark.skipif(cgroups.parent("pids") is None, reason="no pids cgroup can be made here")
 def test_a_thread_bomb_stops_at_the_executors_task_limit():
     # The kernel exempts uid 0 from RLIMIT_NPROC: a taken-over executor of a root worker
     # started threads until no process on the machine could start another.
@@ -207,16 +212,50 @@ def test_a_thread_bomb_stops_at_the_executors_task_limit():
     ours, theirs = ctx.Pipe()
     inside = ctx.Process(target=_bomb, args=(theirs,), daemon=True)
     inside.start()
-    cgroup = tasks.confine(inside.pid)
+    made = cgroups.confine(inside.pid, None)
     try:
         ours.send("go")
         assert ours.poll(60)
         started = ours.recv()
-        assert started < tasks.max_tasks() < 5000
+        assert started < cgroups.max_tasks() < 5000
     finally:
         inside.join(10)
-        tasks.free(cgroup)
-    assert not os.path.exists(cgroup)
+        cgroups.free(made)
+    assert made and not any(os.path.exists(p) for p in made)
+
+
+def _hoard(conn) -> None:
+    """A taken-over executor writing into the shared file it was given (its pages lie
+    outside its address-space limit) until something stops it."""
+    executor._let_go_of_the_worker()
+    shared = reduction.recv_handle(conn)  # as an executor gets its shared files
+    executor._cap_address_space(64 << 20)
+    sandbox.enter()
+    conn.recv()  # confined by now
+    chunk, written = b"x" * (1 << 20), 0
+    while written < (2 << 30):
+        written += os.pwrite(shared, chunk, written)
+    conn.send(written)  # (not reached: killed first)
+
+
+@pytest.mark.skipif(cgroups.parent("memory") is None, reason="no memory cgroup can be made")
+def test_memory_an_executor_hides_in_a_shared_file_is_bounded_by_its_cgroup():
+    # A taken-over executor held 3 GiB in files past its address-space limit, and the OOM
+    # killer then took the worker instead.
+    ctx = executor._context()
+    ours, theirs = ctx.Pipe()
+    shared = os.memfd_create("up")
+    inside = ctx.Process(target=_hoard, args=(theirs,), daemon=True)
+    inside.start()
+    reduction.send_handle(ours, shared, inside.pid)
+    made = cgroups.confine(inside.pid, 256 << 20)
+    try:
+        ours.send("go")
+        inside.join(60)
+        assert inside.exitcode == -signal.SIGKILL  # its cgroup's OOM killer: it, and only it
+    finally:
+        cgroups.free(made)
+        os.close(shared)
 
 
 _WORKER = """
