@@ -204,9 +204,8 @@ class Session:
         self.closed = False
         self.last_seen = time.monotonic()
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
-        self.executor: Any = (
-            None  # the process running its programs (isolation/executor.py), if any
-        )
+        # the process running its programs (isolation/executor.py), if any
+        self.executor: Any = None
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
         self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first

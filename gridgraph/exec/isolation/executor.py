@@ -131,7 +131,7 @@ class Executor:
                 f"executor processes (max_executors); try again once one ends"
             )
         self.places: threading.BoundedSemaphore | None = places
-        self.limits, self.lost, self.max_data = limits, None, data_limits(limits)
+        self.lost, self.max_data = None, data_limits(limits)
         channel = None
         try:
             ctx = _context()
@@ -184,7 +184,7 @@ class Executor:
                         self._end(f"it sent a malformed frame {frame!r:.60}")
                     if not _own_transfer(data, session.key, worker.name, run, value):
                         self._end("it sent a transfer of another client's run or worker")
-                    if len(data) > INLINE_MAX:  # it may write the shared file again
+                    if _in_file(data):  # it may write the shared file again
                         self.channel.send(["ack"])
                     worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
                 elif frame[0] == "recv" and len(frame) == 6 and _recv_frame(frame):
@@ -309,7 +309,12 @@ def memory_limit(limits: Limits) -> int | None:
     cap = limits.max_client_memory
     if cap is None:
         return None
-    return _room(cap) + 2 * int(max(data_limits(limits).values())) + GiB
+    return _room(cap) + 2 * int(largest_message(limits)) + GiB
+
+
+def largest_message(limits: Limits) -> float:
+    """The most an executor may write into its shared file at once (inf: no limit)."""
+    return max(data_limits(limits).values())
 
 
 def _room(client_memory: int) -> int:
@@ -358,6 +363,11 @@ def _recv_frame(frame: list) -> bool:
 # --- framing ---------------------------------------------------------------------------------
 
 
+def _in_file(data: bytes | bytearray) -> bool:
+    """Whether `data` travels through a shared file rather than inline in its frame."""
+    return len(data) > INLINE_MAX
+
+
 def _shared_file(name: str) -> int:
     return os.memfd_create(f"gridgraph-{name}", os.MFD_CLOEXEC)
 
@@ -373,7 +383,7 @@ class _Channel:
     def send(self, frame: list, data: bytes | bytearray | None = None) -> None:
         if data is None:
             self.conn.send_bytes(msgpack.packb(frame))
-        elif len(data) <= INLINE_MAX:
+        elif not _in_file(data):
             self.conn.send_bytes(msgpack.packb([*frame, bytes(data)]))
         else:
             view, done = memoryview(data), 0
@@ -425,7 +435,7 @@ class _ExecutorHost:
     def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
         data = wire.encode(msg)
         self.channel.send(["transfer", dst, peer, *transfer_key(msg)], data)
-        if len(data) > INLINE_MAX:  # the shared file is free once the other end read it
+        if _in_file(data):  # the shared file is free once the other end read it
             frame, _ = self.channel.receive({})
             if frame != ["ack"]:
                 raise ValueError(f"expected an ack, got {frame!r:.60}")
@@ -452,7 +462,7 @@ def _executor_main(
     down, up = reduction.recv_handle(conn), reduction.recv_handle(conn)
     channel = _Channel(conn, out=up, into=down)
     _cap_address_space(limits.max_client_memory)
-    _cap_file_size(max(data_limits(limits).values()))
+    _cap_file_size(largest_message(limits))
     sandbox.enter()  # from here on, the client's program may own this process
     session = Session(key, key.split("/", 1)[0])
     host = _ExecutorHost(channel, name, limits, recv_timeout)

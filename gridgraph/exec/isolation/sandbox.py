@@ -224,10 +224,14 @@ def _prctl(option: int, value: int) -> None:
 
 
 def _syscall(name: str, *args: object) -> int:
-    result = _libc.syscall(_NR[platform.machine()][name], *args)
+    """Make system call `name` (by this machine's number); raise SandboxError if it fails."""
+    return _call(_NR[platform.machine()][name], name, *args)
+
+
+def _call(number: int, name: str, *args: object) -> int:
+    result = _libc.syscall(number, *args)
     if result < 0:
-        e = ctypes.get_errno()
-        raise SandboxError(f"{name}: {os.strerror(e)}")
+        raise SandboxError(f"{name}: {os.strerror(ctypes.get_errno())}")
     return result
 
 
@@ -252,22 +256,17 @@ def _restrict_files(abi: int) -> None:
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
     attr = struct.pack("QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
     attr = ctypes.create_string_buffer(attr, len(attr))
-    ruleset = _libc.syscall(_LANDLOCK_CREATE_RULESET, attr, len(attr), 0)
-    if ruleset < 0:
-        raise SandboxError(f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    ruleset = _call(_LANDLOCK_CREATE_RULESET, "landlock_create_ruleset", attr, len(attr), 0)
     try:
         for path in readable_paths():
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             try:
                 rights = _FS_READ_FILE | (_FS_READ_DIR if os.path.isdir(path) else 0)
                 rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)  # packed
-                if _libc.syscall(_LANDLOCK_ADD_RULE, ruleset, 1, rule, 0) != 0:
-                    e = os.strerror(ctypes.get_errno())
-                    raise SandboxError(f"landlock_add_rule({path}): {e}")
+                _call(_LANDLOCK_ADD_RULE, f"landlock_add_rule({path})", ruleset, 1, rule, 0)
             finally:
                 os.close(fd)
-        if _libc.syscall(_LANDLOCK_RESTRICT_SELF, ruleset, 0) != 0:
-            raise SandboxError(f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+        _call(_LANDLOCK_RESTRICT_SELF, "landlock_restrict_self", ruleset, 0)
     finally:
         os.close(ruleset)
 

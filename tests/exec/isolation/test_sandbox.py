@@ -184,7 +184,7 @@ def test_a_live_executor_runs_in_the_sandbox():
                 assert int(f.read()) == limit
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
-    assert int(file_size) == max(executor.data_limits(limits).values())  # its shared file
+    assert int(file_size) == executor.largest_message(limits)  # its shared file
     assert made and not any(os.path.exists(p) for p in made)  # removed with its executor
 
 
