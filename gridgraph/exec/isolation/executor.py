@@ -17,9 +17,10 @@ Policy:
                maps far more virtual memory than it uses) plus twice the client's memory
                limit and some room per core: an allocation past that fails as an op error.
     sandbox    before its first request the executor enters the sandbox (sandbox.py): no
-               processes, signals, sockets or files beyond its own, and no capabilities. It
-               dies with its forkserver, which exits when the worker dies. It runs in a pids
-               cgroup of its own, which bounds its threads, and a memory cgroup of its own
+               processes, signals, sockets or files beyond its own, and no capabilities. Its
+               stdout and stderr go to /dev/null, not into the worker's log. It dies with
+               its forkserver, which exits when the worker dies. It runs in a pids cgroup of
+               its own, which bounds its threads, and a memory cgroup of its own
                (cgroups.py): past `memory_limit` the kernel kills it, and only it.
     time       the executor stops a program between steps at the time limit; one still
                running KILL_GRACE s later (a single long op) is killed.
@@ -463,6 +464,7 @@ def _executor_main(
     channel = _Channel(conn, out=up, into=down)
     _cap_address_space(limits.max_client_memory)
     _cap_file_size(largest_message(limits))
+    _write_nowhere()
     sandbox.enter()  # from here on, the client's program may own this process
     session = Session(key, key.split("/", 1)[0])
     host = _ExecutorHost(channel, name, limits, recv_timeout)
@@ -490,6 +492,17 @@ def _let_go_of_the_worker() -> None:
         if fd is not None:
             os.close(fd)
             setattr(holder, attribute, None)
+
+
+def _write_nowhere() -> None:
+    """Point the executor's stdout and stderr at /dev/null. They were the worker's, and its
+    log goes there: a taken-over executor could write lines that read as the worker's own.
+    Nothing is lost: an executor's errors reach its client in replies, and its end reaches
+    the worker's log from the network process (`Executor._end`)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(null, fd)
+    os.close(null)
 
 
 def _cap_file_size(largest: float) -> None:

@@ -168,6 +168,9 @@ def test_a_live_executor_runs_in_the_sandbox():
         assert torch.equal((x @ x).get(), a @ a)
         session = next(iter(grid.local_workers[0].sessions.values()))
         status = _status(session.executor.process.pid)
+        # Its stdout and stderr were the worker's log: it could write lines there that read
+        # as the worker's own.
+        output = {os.readlink(f"/proc/{session.executor.process.pid}/fd/{fd}") for fd in (1, 2)}
         with open(f"/proc/{session.executor.process.pid}/limits") as f:
             file_size = next(line.split()[3] for line in f if line.startswith("Max file size"))
         made = session.executor.cgroups
@@ -185,6 +188,7 @@ def test_a_live_executor_runs_in_the_sandbox():
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     assert int(file_size) == executor.largest_message(limits)  # its shared file
+    assert output == {os.devnull}
     assert made and not any(os.path.exists(p) for p in made)  # removed with its executor
 
 
