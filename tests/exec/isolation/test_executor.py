@@ -222,6 +222,25 @@ def test_executors_are_capped_worker_wide_and_a_session_past_the_cap_is_refused(
         third.close()
 
 
+def test_one_peer_cannot_take_every_executor_place():
+    # Sessions cost nothing to open: one peer that opened as many as a worker has executor
+    # places held them all, and every other client's first request was refused.
+    with gg.local_grid(1, limits=Limits(max_executors=16), isolate=True) as grid:
+        a = torch.randn(4)
+        hoard = [second_client(grid, "mallory") for _ in range(16)]
+        for client in hoard:
+            try:
+                a.send(client.workers[0])
+            except gg.RemoteError as e:  # (once the places are gone, on the old defaults)
+                assert "max_executors" in str(e)
+        bob = second_client(grid, "bob")
+        assert torch.equal((a.send(bob.workers[0]) + 1).get(), a + 1)
+        held = sum(s.executor is not None for s in grid.local_workers[0].sessions.values())
+        assert held <= Limits().sessions_per_peer + 2  # mallory's share, bob's and ours
+        for client in [*hoard, bob]:
+            client.close()
+
+
 class _Flooding:
     """The pipe from a taken-over executor that always has another valid transfer of its own
     run waiting (for 30 s, then it ends)."""
