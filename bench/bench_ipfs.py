@@ -33,7 +33,7 @@ import gridgraph as gg
 from gridgraph.exec.ipfs.discovery import discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import spawn_worker, start_nodes, stop_nodes, stop_worker
-from gridgraph.exec.ipfs.transport import BLOCK_SIZE, FETCH_PARALLELISM
+from gridgraph.exec.ipfs.transport import BLOCK_SIZE, FETCH_WINDOW
 
 
 def median_ms(samples: list[float]) -> float:
@@ -142,7 +142,7 @@ def main() -> None:
                     if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
                         raw_rtt.append(raw)
                         gg_rtt.append(ours)
-                with ThreadPoolExecutor(FETCH_PARALLELISM) as pool:
+                with ThreadPoolExecutor(FETCH_WINDOW) as pool:
                     for _ in range(args.transfers):
                         raw_up.append(raw_blocks_once(kn, kf, nbytes, pool))
                         raw_down.append(raw_blocks_once(kf, kn, nbytes, pool))

@@ -16,9 +16,11 @@ import base64
 import gc
 import hashlib
 import os
+import time
 import uuid
 
 import local_peer
+import msgpack
 import pytest
 import torch
 from arena import arena_fixture  # noqa: F401 (fixtures)
@@ -26,6 +28,7 @@ from hostile import Peer, call, frame, run, tensor_ref
 
 import gridgraph as gg
 from gridgraph.exec import wire
+from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.transport import pack_blocks
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import worker_topic
@@ -268,31 +271,84 @@ def test_a_message_over_the_size_limit_is_dropped(arena):
 
 @pytest.mark.ipfs
 def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, outsider_node, tmp_path):
-    # Each block is looked for for a minute; fetched on the reader thread, 20 of them stalled
-    # every client for 20 minutes (and a stall past the lease freed their tensors). A worker
-    # of its own, so that a stall harms no other test.
+    # Each block is looked for for a while. Fetched on the reader thread, 20 of them stalled
+    # every client for 20 minutes (and a stall past the lease freed their tensors); fetched
+    # from one queue for all payloads, four sealed envelopes naming 256 each held every
+    # other large payload back for minutes, and a client's too through its ack topic (its
+    # identity shows in every message it sends). A worker of its own, so that a stall harms
+    # no other test.
     from ipfs_fixtures import sealed_endpoint, start_workers, stop_all
+
+    from gridgraph.exec.ipfs.transport import ACK_PREFIX
 
     workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
     attacker = sealed_endpoint(outsider_node.api)
-    victim = Peer(sealed_endpoint(kubo_nodes[0].api), resend=1.0)  # a client, by hand
+    victim = Peer(sealed_endpoint(kubo_nodes[0].api), resend=2.0)  # a client, by hand
     try:
-        attacker.wait_for_peers(worker_topic("stalled"), 1, timeout=30)
+        topic = worker_topic("stalled")
+        attacker.wait_for_peers(topic, 1, timeout=30)
         x = torch.arange(8.0)
         assert victim.request("stalled", {"kind": "put", "values": [[1, x]]})["ok"]
-        for _ in range(3):
+        for _ in range(3):  # unsealed: refused before any fetch
             refs = [(missing_cid(), 1 << 19) for _ in range(2)]
-            topic = attacker.wire_topic(worker_topic("stalled"))  # as the worker listens
-            attacker.kubo.pubsub_pub(topic, pack_blocks(refs, 2 << 19))
-        # Stalled, the worker would not answer for three minutes; it must in seconds.
+            attacker.kubo.pubsub_pub(attacker.wire_topic(topic), pack_blocks(refs, 2 << 19))
+        worker, ack = attacker.recipient(topic), ACK_PREFIX + victim.transport.identity
+        for receiver, on in [(worker, topic)] * 4 + [(victim.transport.identity, ack)] * 4:
+            body = {"b": [[missing_cid(), 1 << 19] for _ in range(256)], "t": 256 << 19,
+                    "k": os.urandom(32), "i": os.urandom(16)}  # fmt: skip
+            sealed = attacker.channel.seal(receiver, on, msgpack.packb(body))
+            attacker.kubo.pubsub_pub(attacker.wire_topic(on), sealed)
+        # Stalled, the worker would not answer for minutes; it must in seconds, large
+        # payloads both ways included (2 MiB: blocks, to the worker and back).
         for _ in range(3):
             assert victim.request("stalled", {"kind": "ping"}, timeout=15)["ok"]
-        triple = run([call("aten::mul.Tensor", [Slot(0), 3.0], [1]), ["return", 1]], [1, 2])
-        assert torch.equal(victim.request("stalled", triple)["returns"][0][1], x * 3)
+        big = torch.randn(1 << 19)
+        assert victim.request("stalled", {"kind": "put", "values": [[3, big]]}, timeout=20)["ok"]
+        steps = [call("aten::mul.Tensor", [Slot(0), 3.0], [1]), ["return", 1]]
+        assert torch.equal(victim.request("stalled", run(steps, [1, 2]))["returns"][0][1], x * 3)
+        back = victim.request("stalled", run([["return", 0]], [3], plan=2, run_id=2), timeout=20)
+        assert torch.equal(back["returns"][0][1], big)
         assert all(w.proc.poll() is None for w in workers)
     finally:
         stop_all(workers)
         victim.transport.close()
+        attacker.close()
+
+
+@pytest.mark.ipfs
+def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
+    kubo_nodes, ipfs_workers, outsider_node
+):
+    # Its blocks were removed only once a payload opened: a peer naming blocks of its own
+    # under a wrong key left them in the worker's node, 768 MiB in 20 s, for good.
+    from ipfs_fixtures import sealed_endpoint
+
+    attacker = sealed_endpoint(outsider_node.api)
+    worker_node, theirs = Kubo(kubo_nodes[1].api), ipfs_workers[1].name
+    try:
+        topic = worker_topic(theirs)
+        attacker.wait_for_peers(topic, 1, timeout=30)
+        cids = [attacker.kubo.block_put(os.urandom(1 << 19)) for _ in range(4)]
+        body = {"b": [[cid, 1 << 19] for cid in cids], "t": 4 << 19, "k": os.urandom(32),
+                "i": os.urandom(16)}  # fmt: skip
+        sealed = attacker.channel.seal(attacker.recipient(topic), topic, msgpack.packb(body))
+        attacker.kubo.pubsub_pub(attacker.wire_topic(topic), sealed)
+        worker_peer = worker_node.id()
+        for _ in range(300):  # until the worker's node has fetched them all
+            ledger = attacker.kubo._call("/bitswap/ledger", [worker_peer])[0]
+            if ledger["Sent"] >= 4 << 19:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the worker never fetched the blocks: {ledger}")
+        for _ in range(100):
+            if not set(cids) & set(worker_node.refs_local()):
+                break
+            time.sleep(0.1)
+        assert not set(cids) & set(worker_node.refs_local()), "the worker's node kept them"
+        assert all(w.proc.poll() is None for w in ipfs_workers)
+    finally:
+        attacker.kubo.block_rm(cids)
         attacker.close()
 
 

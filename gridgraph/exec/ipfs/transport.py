@@ -33,12 +33,19 @@ silently, with no error for the publisher) and gridgraph's 1 MiB block cap.
 
 Delivery: one reader thread per subscribed topic reads Kubo's `pubsub/sub` stream. It never
 waits on the network: an inline message goes straight to the topic's handlers (which only
-enqueue), a message naming blocks is fetched, checked and delivered by a pool of assemblers,
-at most `PENDING_PER_PEER` at a time per sending peer, each block given up after
-`fetch_timeout` s. So envelopes naming bogus CIDs cost their sender's share of the pool, not
-the topic. Kubo hands a node its own publications too; they are skipped unless
-`deliver_own=True`. A malformed or unopenable message, a block that cannot be fetched or a
-failing handler is logged and dropped; a broken stream is reopened until `close()`.
+enqueue), a message naming blocks is fetched, checked and delivered by one of `ASSEMBLERS`
+assemblers, at once or not at all (dropped, logged; its sender resends): at most
+`PENDING_PER_PEER` of them work for one sending peer, each fetches `FETCH_WINDOW` blocks at
+a time on fetch threads of its own, and gives up at the first block not fetched within
+`fetch_timeout` s. So envelopes naming bogus CIDs cost their sender's share of the
+assemblers, and no one else's payload waits behind their blocks (one fetch queue for all
+held every payload up for minutes behind 1,024 missing blocks). Storing blocks to send has
+threads of its own. `GridTransport` removes the blocks of a payload that does not open as
+it does those of one that does (a peer naming blocks of its own under a wrong key filled
+the node's repo), and takes no blocks on an ack topic. Kubo hands a node its own
+publications too; they are skipped unless `deliver_own=True`. A malformed or unopenable
+message, a block that cannot be fetched or a failing handler is logged and dropped; a broken
+stream is reopened until `close()`.
 
 Subscriptions take a moment to reach the other peers; `wait_for_peers` waits for that.
 
@@ -79,10 +86,10 @@ log = logging.getLogger(__name__)
 ENVELOPE_VERSION = 1
 INLINE_MAX = 256 * 1024
 BLOCK_SIZE = 512 * 1024
-FETCH_PARALLELISM = 8
-ASSEMBLERS = 4  # payloads fetched at once
-PENDING_PER_PEER = 4  # block payloads of one sending peer in flight; more are dropped
-PENDING_MAX = 64  # block payloads in flight in all
+ASSEMBLERS = 16  # block payloads fetched at once, each on an assembler of its own
+PENDING_PER_PEER = 2  # of them, from one sending peer; more are dropped (and sent again)
+FETCH_WINDOW = 8  # blocks of one payload fetched at once
+PUT_PARALLELISM = 8  # blocks stored at once
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
@@ -158,8 +165,11 @@ class IpfsTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self._pending: dict[str, int] = {}  # sending peer -> block payloads in flight
-        self._fetcher = ThreadPoolExecutor(FETCH_PARALLELISM, thread_name_prefix="ipfs-fetch")
         self._assembler = ThreadPoolExecutor(ASSEMBLERS, thread_name_prefix="ipfs-assemble")
+        self._fetcher = ThreadPoolExecutor(
+            ASSEMBLERS * FETCH_WINDOW, thread_name_prefix="ipfs-fetch"
+        )  # (never a queue: each assembler submits at most FETCH_WINDOW at a time)
+        self._putter = ThreadPoolExecutor(PUT_PARALLELISM, thread_name_prefix="ipfs-put")
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -193,7 +203,7 @@ class IpfsTransport(Transport):
             return cid, len(piece)
 
         try:
-            return list(self._fetcher.map(put, pieces))
+            return list(self._putter.map(put, pieces))
         finally:
             bar.close()
 
@@ -241,8 +251,8 @@ class IpfsTransport(Transport):
             stream.close()
         for thread in self._threads:
             thread.join(timeout=5.0)
-        self._assembler.shutdown(wait=False, cancel_futures=True)
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._assembler, self._fetcher, self._putter):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _read(self, topic: str) -> None:
         backoff = 0.1
@@ -290,7 +300,7 @@ class IpfsTransport(Transport):
             return
         with self._lock:
             pending = self._pending.get(peer, 0)
-            if pending >= PENDING_PER_PEER or sum(self._pending.values()) >= PENDING_MAX:
+            if pending >= PENDING_PER_PEER or sum(self._pending.values()) >= ASSEMBLERS:
                 size = envelope["t"]
                 log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
                             "are being fetched already", size, topic, peer, pending)  # fmt: skip
@@ -309,7 +319,7 @@ class IpfsTransport(Transport):
         try:
             bar = Progress(f"receive {topic}", envelope["t"], self.progress)
             try:
-                pieces = list(self._fetcher.map(lambda ref: self._fetch(ref, bar), envelope["b"]))
+                pieces = self._fetch_all(envelope["b"], bar)
             finally:
                 bar.close()
             payload = self._join(envelope, pieces)
@@ -321,6 +331,7 @@ class IpfsTransport(Transport):
                 log.exception("fetching a message on %r from %s failed", topic, peer)
             return
         finally:
+            self._release(envelope)
             self._done(peer)
         self._hand(topic, sender, payload)
         self._received(sender, envelope)
@@ -330,6 +341,15 @@ class IpfsTransport(Transport):
             self._pending[peer] -= 1
             if not self._pending[peer]:
                 del self._pending[peer]
+
+    def _fetch_all(self, refs: list, bar: Progress) -> list[bytes]:
+        """A payload's blocks, in order, FETCH_WINDOW at a time; stops at the first that
+        cannot be fetched."""
+        pieces: list[bytes] = []
+        for start in range(0, len(refs), FETCH_WINDOW):
+            window = refs[start : start + FETCH_WINDOW]
+            pieces += self._fetcher.map(lambda ref: self._fetch(ref, bar), window)
+        return pieces
 
     def _fetch(self, ref: list, bar: Progress) -> bytes:
         cid, size = ref
@@ -363,6 +383,9 @@ class IpfsTransport(Transport):
 
     def _received(self, sender: str, envelope: dict) -> None:
         """A block payload was handed over."""
+
+    def _release(self, envelope: dict) -> None:
+        """Done with a block payload's blocks, whether it was delivered or not."""
 
 
 @dataclass
@@ -489,6 +512,10 @@ class GridTransport(IpfsTransport):
         if not isinstance(envelope, dict):
             raise MalformedEnvelope("sealed body is not a map")
         check_envelope(envelope)
+        if "b" in envelope and topic.startswith(ACK_PREFIX):
+            # (an ack is a few bytes: blocks named there only cost us fetches, which any
+            # peer that saw our identity could make us wait on)
+            raise MalformedEnvelope("an ack names blocks")
         if "b" in envelope:
             key, blob = envelope.get("k"), envelope.get("i")
             if not isinstance(key, bytes) or len(key) != secure.KEY_BYTES:
@@ -498,11 +525,15 @@ class GridTransport(IpfsTransport):
         return sender, envelope
 
     def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
-        payload = secure.open_pieces(envelope["k"], pieces)
-        # Our copies, now that we have the payload. Only once they open: a sender that names
-        # blocks it cannot open (someone else's, whose CIDs it saw) gets none removed.
+        return secure.open_pieces(envelope["k"], pieces)
+
+    def _release(self, envelope: dict) -> None:
+        """Remove our copies of a payload's blocks, whether it opened or not: kept, a peer
+        naming its own blocks under a wrong key filled this node's repo (768 MiB in 20 s).
+        Only this node's copies go, and only blocks not pinned (`block rm` refuses those):
+        what the node's garbage collector may drop any time. Block CIDs travel sealed, so a
+        peer can name only blocks sent to it, or of its own."""
         self._remove([cid for cid, _ in envelope["b"]])
-        return payload
 
     def _wanted(self, sender: str, envelope: dict) -> bool:
         """A resent envelope naming a payload we are fetching is dropped: the first copy
