@@ -229,12 +229,14 @@ class Executor:
         raise ExecutorLost(cause)
 
     def close(self) -> None:
-        """Stop the process (it holds nothing worth saving), and free its place."""
+        """Stop the process (it holds nothing worth saving), and free its place. Closing
+        again does nothing: a lost executor is closed when lost and when its session ends."""
         if self.process.is_alive():
             self.process.kill()
         self.process.join(2.0)
         self.channel.close()
         cgroups.free(self.cgroups)
+        self.cgroups = []
         places, self.places = self.places, None
         if places is not None:
             places.release()
@@ -418,9 +420,13 @@ class _Channel:
         return frame, data
 
     def close(self) -> None:
+        """Close the pipe and both files, once: closed twice, their descriptor numbers could
+        by then be another session's executor's (and were: that session was lost)."""
         self.conn.close()
         for fd in (self.out, self.into):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+        self.out = self.into = -1
 
 
 # --- the executor process ----------------------------------------------------------------------

@@ -103,6 +103,27 @@ def test_a_single_op_past_the_time_limit_is_killed_and_ends_only_its_session():
         other.close()
 
 
+def test_a_lost_executor_closed_again_closes_nothing_of_anyone_elses():
+    # A lost executor was closed when lost and again when its session ended, and the second
+    # close closed its descriptor numbers again: by then another session's executor had
+    # them, and that session was lost (a review: four crashes, a victim's start, four byes).
+    with gg.local_grid(1, isolate=True) as grid:
+        a = torch.randn(4)
+        mallory = [second_client(grid, "mallory") for _ in range(4)]
+        for client in mallory:
+            x = a.send(client.workers[0])
+            os.kill(executor_pid(grid, 0, client), signal.SIGKILL)
+            with pytest.raises(gg.SessionLost):
+                (x + 1).get()
+        victim = second_client(grid, "victim")
+        big = torch.randn(1 << 18)  # 1 MiB: through the shared files
+        theirs = big.send(victim.workers[0])
+        for client in mallory:
+            client.close()  # its bye closes its lost executor again
+        assert torch.equal((theirs * 2).get(), big * 2)
+        victim.close()
+
+
 class _Taken:
     """The process of an executor that a kernel bug handed to its client's program: it
     sends whatever frames it likes (here, the test's)."""
