@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from gridgraph.exec import kernel_checks
+from gridgraph.exec.wire import MAX_DIMS
 from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
 
 _NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
@@ -59,6 +60,8 @@ def check_bounds(t: torch.Tensor) -> None:
     """`check_view` of one tensor."""
     if t.layout != torch.strided or not t.is_cpu:
         raise ViewOutOfBounds(f"an op returned a {t.layout} tensor on {t.device}: not allowed")
+    if t.dim() > MAX_DIMS:  # (as the wire takes: the time estimate ignores dimensions)
+        raise OpRefused(f"an op returned a tensor of {t.dim()} dimensions (at most {MAX_DIMS})")
     if t.is_contiguous():  # the common case, checked without walking sizes and strides:
         # a contiguous layout has non-negative strides and reaches offset + numel - 1
         offset = t.storage_offset()

@@ -6,8 +6,11 @@ A message is framed as
     [tensor data, from offset align64(4 + n); each tensor at a 64-byte aligned offset]
 
 The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbytes]`
-pointing into the data region, so tensor bytes are copied once when a message is built and
-never again when it is read: the receiver's tensors are views of the received buffer.
+pointing into the data region, so tensor bytes are copied once when a message is built and,
+in a message of one tensor (a large `send`, most transfers), never again when it is read:
+that tensor is a view of the received buffer. The tensors of a message of several are
+copied out of it, each into memory of its own: as views, any one kept would keep all the
+others' bytes alive, uncounted (a client kept a tensor of 4 bytes and freed the rest).
 
 Tensors of the dtypes numpy shares (all but bfloat16) are packed and unpacked through numpy,
 without torch calls: each of those releases the interpreter lock (see `_NUMPY`).
@@ -28,7 +31,11 @@ the message):
   the same bytes grew a worker by 551 MB);
 - a tensor whose byte count does not match its shape and dtype, that lies outside the data
   region, or whose offset is not 64-byte aligned;
-- two tensors over the same bytes (an in-place write to one would change the other);
+- a tensor of more than MAX_DIMS dimensions (a 4-element tensor of 60,000 made a sum the
+  time estimate saw as 4 elements run for seconds; torch's own kernels take 64 at most);
+- two tensors over the same bytes (an in-place write to one would change the other), or a
+  data region larger than its tensors and their alignment padding (its bytes would stay
+  in memory with the tensors, uncounted: a 4-byte tensor in a 15 MiB region);
 - a bool tensor with a byte other than 0 or 1 (kernels assume one or the other).
 
 Kernels need tensors aligned for their dtype (a misaligned complex128 crashes some): offsets
@@ -107,6 +114,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 _ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
+MAX_DIMS = 64
 _MAX_ITEMSIZE = max(d.itemsize for d in DTYPES.values())
 
 
@@ -121,6 +129,8 @@ class _Encoder:
         name = str(t.dtype).removeprefix("torch.")
         if name not in DTYPES:
             raise WireError(f"dtype {t.dtype} cannot be sent")
+        if t.dim() > MAX_DIMS:
+            raise WireError(f"a tensor of {t.dim()} dimensions cannot be sent (at most {MAX_DIMS})")
         data = tensor_bytes(t)
         pad = -self.size % _ALIGN
         if pad:
@@ -141,7 +151,8 @@ class _Decoder:
 
     def __init__(self, data: memoryview) -> None:
         self.data = data
-        self.regions: list[tuple[int, int]] = []  # (offset, end) of each non-empty tensor
+        self.regions: list[tuple[int, int]] = []  # (offset, end) of each tensor
+        self.views: list[torch.Tensor] = []  # the tensors that view the data region
 
     def tensor(self, obj: Any) -> torch.Tensor:
         try:
@@ -154,7 +165,9 @@ class _Decoder:
         if dtype is None:
             raise WireError(f"unknown dtype {name!r}")
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise WireError(f"bad shape {shape!r}")
+            raise WireError(f"bad shape {shape!r:.80}")
+        if len(shape) > MAX_DIMS:
+            raise WireError(f"a tensor of {len(shape)} dimensions (at most {MAX_DIMS})")
         if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes < 0:
             raise WireError("bad tensor offset or size")
         numel = 1
@@ -176,18 +189,34 @@ class _Decoder:
             array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
             if dtype == torch.bool and array.view(np.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
-            return torch.from_numpy(array.reshape(shape))
-        tensor = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
-        if dtype == torch.bool and tensor.view(torch.uint8).max() > 1:
-            raise WireError("a bool tensor holds a byte other than 0 and 1")
-        return tensor.reshape(shape)
+            tensor = torch.from_numpy(array.reshape(shape))
+        else:
+            tensor = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
+            if dtype == torch.bool and tensor.view(torch.uint8).max() > 1:
+                raise WireError("a bool tensor holds a byte other than 0 and 1")
+            tensor = tensor.reshape(shape)
+        self.views.append(tensor)
+        return tensor
 
-    def check_disjoint(self) -> None:
-        """No two tensors share a byte."""
+    def check_regions(self) -> None:
+        """No two tensors share a byte, and no byte of the data region lies outside every
+        tensor but for alignment padding."""
         regions = sorted(r for r in self.regions if r[0] < r[1])
         for (_, end), (start, _) in zip(regions, regions[1:]):
             if start < end:
                 raise WireError("two tensors of the message overlap")
+        covered = sum(end - start + -(end - start) % _ALIGN for start, end in regions)
+        if len(self.data) > covered:
+            raise WireError(
+                f"the message's data region holds {len(self.data) - covered} bytes that no "
+                f"tensor covers"
+            )
+
+    def own_memory(self) -> None:
+        """Give each tensor memory of its own, if the data region holds several."""
+        if len(self.views) > 1:
+            for tensor in self.views:
+                tensor.set_(tensor.clone())
 
 
 def _aligned(data: memoryview) -> memoryview:
@@ -301,7 +330,8 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
     finally:
         if collecting:  # (left off if the program had turned it off)
             gc.enable()
-    decoder.check_disjoint()
+    decoder.check_regions()
     if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
         raise WireError("a message must be a map with a 'kind'")
+    decoder.own_memory()
     return msg

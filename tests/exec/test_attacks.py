@@ -352,6 +352,42 @@ def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
         attacker.close()
 
 
+def _undecodable(arena, header: dict, data: bytes) -> None:
+    """Send a hand-framed put (a header and a data region, as they are) that the worker
+    cannot decode, so drops: nothing of it is stored."""
+    header = {"id": uuid.uuid4().hex, "reply_to": arena.attacker.topic,
+              "session": arena.attacker.session, **header}  # fmt: skip
+    arena.attacker.publish(arena.target, frame(header, data))
+    assert arena.attack({"kind": "ping"})["ok"]  # (served after it)
+    assert arena.attacker_get(1)["ok"] is False
+
+
+def test_a_tensor_that_keeps_more_memory_than_it_is_charged_is_refused(arena):
+    # A put of a 4-byte tensor in a 15 MiB data region was charged 4 bytes, and the stored
+    # tensor, a view of the message, kept all 15 MiB alive: 60 of them grew a worker under
+    # a 64 MiB limit by 930 MiB. Likewise one tensor of a message of several, kept after
+    # the rest were freed.
+    _undecodable(arena, {"kind": "put", "values": [[1, tensor_ref("float32", [1], 0, 4)]]},
+                 bytes(1 << 20))  # fmt: skip
+    big, small = torch.randn(1 << 18), torch.randn(1)
+    assert arena.attack({"kind": "put", "values": [[1, big], [2, small]]})["ok"]
+    assert arena.attack({"kind": "free", "values": [1]})["ok"]
+    arena.check()
+    assert torch.equal(arena.attacker_get(2)["returns"][0][1], small)  # (test_wire: a copy)
+
+
+def test_a_tensor_of_thousands_of_dimensions_is_refused(arena):
+    # A 4-element tensor of 60,000 dimensions: a sum over it, estimated at 4 elements of
+    # work, ran for seconds (hours at a million); unstoppable in a worker's own process.
+    shape = [1] * 60_000 + [4]
+    _undecodable(arena, {"kind": "put", "values": [[1, tensor_ref("float32", shape, 0, 16)]]},
+                 bytes(16))  # fmt: skip
+    arena.attacker_put(2, torch.ones(4))
+    steps = [call("aten::view", [Slot(0), shape], [1]), call("aten::sum", [Slot(1)], [2]),
+             ["return", 2]]  # fmt: skip
+    arena.refused(run(steps, [2, 3, 4]), "dimensions")
+
+
 # --- long programs and waits that never end -------------------------------------------------
 
 
