@@ -159,7 +159,7 @@ def format_size(n: int) -> str:
 
 
 class SenderBudgets:
-    """Bytes each sender identity holds on a worker outside any session's own budget, each
+    """Bytes each sending peer holds on a worker outside any session's own budget, each
     up to `cap` (None: no limit). The worker charges here the transfers waiting in the
     inbox of a session whose runs never named their sender: charged to the session, they
     let anyone use up a client's memory with transfers it never asked for."""

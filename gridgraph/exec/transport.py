@@ -77,6 +77,12 @@ class Transport(ABC):
         only from the recipient of its request."""
         return None
 
+    def owner(self, identity: str) -> str:
+        """Who answers for the messages of `identity`: the unit a worker keeps its per-peer
+        limits for. Where endpoints cost nothing to make (on IPFS, a key), that is what
+        made them (the Kubo node), else one peer could multiply its limits at will."""
+        return identity
+
 
 class LocalBus:
     """An in-process publish/subscribe network: topics map to handlers, delivery is a call."""

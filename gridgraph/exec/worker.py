@@ -9,13 +9,15 @@ State:
                is the authenticated sender (`sender`, the transport's identity) plus the
                session id it chose; each peer may hold `limits.sessions_per_peer` of them
                (a new one beyond that evicts the peer's own least recently seen idle one).
+               A peer, for every per-peer limit here, is the transport's `owner` of the
+               sender: on IPFS the Kubo node, which makes endpoint keys at will.
                A transfer may arrive before its client's first request and open the session
                it names: such a session counts against the identity that sent the transfer
                (`sessions_per_peer` of them, and no eviction), not against the peer it
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
     rate       a token bucket per peer (limits.py)
-    stray      per sender identity, the bytes of its transfers kept for sessions whose runs
+    stray      per sending peer, the bytes of its transfers kept for sessions whose runs
                never named it: charged to it (up to `max_client_memory`), not to them, so
                no one's transfers use up another client's memory
     serving    the sessions' serving threads still running; `close` waits for them
@@ -199,19 +201,19 @@ class Worker:
             log.warning("%s: dropped a request whose reply_to is not its sender's", self.name)
             return
         arrived = time.monotonic()
-        key = _client_key(sender, msg)
+        key, owner = _client_key(sender, msg), self.transport.owner(sender)
         try:
-            session = self._session(key, sender, create=msg["kind"] != "bye")
+            session = self._session(key, owner, create=msg["kind"] != "bye")
         except (RequestError, LimitExceeded) as e:
-            if self._refusals.allow(sender):
+            if self._refusals.allow(owner):
                 self._refuse(reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
-            if self._rate.allow(sender):  # answered within the peer's rate, as any request
+            if self._rate.allow(owner):  # answered within the peer's rate, as any request
                 self._outbox.put(
                     (reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0}), None)
                 )
-            elif self._refusals.allow(sender):
+            elif self._refusals.allow(owner):
                 self._refuse(reply_to, rid, self._over_rate())
             return
         with session.cv:
@@ -225,7 +227,7 @@ class Worker:
                 if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
                     lost = False  # (a reply can be large; each resend is a publish of it)
                 forgotten = not lost and rec.sent_at < arrived
-                if (lost or forgotten) and not self._rate.allow(sender):
+                if (lost or forgotten) and not self._rate.allow(owner):
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
                     return
@@ -241,8 +243,8 @@ class Worker:
                     self._refuse(reply_to, rid, error)
                 return
             cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
-            if not self._rate.allow(sender):
-                if not self._refusals.allow(sender):
+            if not self._rate.allow(owner):
+                if not self._refusals.allow(owner):
                     log.debug("%s: dropped a request of %s, over twice its rate", self.name, key)
                     return  # not recorded: a resend later is judged afresh
                 error = self._over_rate()
@@ -322,9 +324,12 @@ class Worker:
             self._make_room(peer, opened_by)
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
-                session.release_stray = self.stray.release
+                session.release_stray = self._release_stray
             session.opened_by = opened_by
             return session
+
+    def _release_stray(self, sender: str, nbytes: int) -> None:
+        self.stray.release(self.transport.owner(sender), nbytes)
 
     def _make_room(self, peer: str, opened_by: str | None) -> None:
         """Make room for one more session of `peer` (the caller holds `_lock`): under the
@@ -372,12 +377,12 @@ class Worker:
                    "an error"}  # fmt: skip
             payload = b""
         # Charged to the session if one of its runs named the sender, else to the sender.
-        stray = sender not in session.named
+        stray, owner = sender not in session.named, self.transport.owner(sender)
         cap = self.limits.max_client_memory
 
         def fits(p: bytes) -> bool:
             if stray:
-                return self.stray.charge(sender, len(p) + TRANSFER_BYTES)
+                return self.stray.charge(owner, len(p) + TRANSFER_BYTES)
             return session.inbox_fits(p, cap)
 
         if not fits(payload):
@@ -395,12 +400,13 @@ class Worker:
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
         if not session.deliver(key, sender, payload, stray) and stray:
-            self.stray.release(sender, len(payload) + TRANSFER_BYTES)
+            self.stray.release(owner, len(payload) + TRANSFER_BYTES)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
+        peer, opened_by = (self.transport.owner(i) for i in (client.split("/", 1)[0], sender))
         try:
-            return self._session(client, client.split("/", 1)[0], create=True, opened_by=sender)
+            return self._session(client, peer, create=True, opened_by=opened_by)
         except (RequestError, LimitExceeded) as e:
             log.warning("%s: dropped a transfer for %s: %s", self.name, client, e)
             return None
@@ -418,7 +424,7 @@ class Worker:
         # large, the sender thread is everyone's, and a client may name itself as the
         # identity it went to (2,000 asks for one 64 MiB transfer would publish 128 GB).
         if kept is not None and kept[0] == sender and kept[2] < RESENDS:
-            if self._rate.allow(sender):
+            if self._rate.allow(self.transport.owner(sender)):
                 kept[2] += 1
                 self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
 

@@ -388,6 +388,34 @@ def test_a_tensor_of_thousands_of_dimensions_is_refused(arena):
     arena.refused(run(steps, [2, 3, 4]), "dimensions")
 
 
+@pytest.mark.ipfs
+def test_one_kubo_node_has_one_peers_limits_whatever_keys_it_makes(ipfs_workers, outsider_node):
+    # Per-peer limits were kept per endpoint key, and a node makes keys at will: a review
+    # sent 40,000 requests, each from a new key and session, past every per-peer limit (a
+    # victim's ops went from 0.1 s to 65 s; the worker grew by 230 MiB). Here a second key
+    # of the same node opens as many sessions as a peer may hold: the node's first session,
+    # its oldest and idle, makes room.
+    from ipfs_fixtures import sealed_endpoint
+
+    target, limit = ipfs_workers[2].name, Limits().sessions_per_peer
+    first = Peer(sealed_endpoint(outsider_node.api), f"first-{uuid.uuid4().hex[:8]}", 1.0)
+    second = Peer(sealed_endpoint(outsider_node.api), f"second-{uuid.uuid4().hex[:8]}", 1.0)
+    try:
+        for peer in (first, second):
+            peer.transport.wait_for_peers(worker_topic(target), 1, timeout=30)
+        assert first.request(target, {"kind": "put", "values": [[1, torch.ones(4)]]})["ok"]
+        sessions = [f"{second.session}-{i}" for i in range(limit)]
+        for session in sessions:
+            assert second.request(target, {"kind": "ping", "session": session})["ok"]
+        kept = first.request(target, run([["return", 0]], [1]))
+        assert kept["ok"] is False, "one node held more sessions than one peer may"
+        for session in sessions:
+            second.request(target, {"kind": "bye", "session": session})
+    finally:
+        first.close()
+        second.close()
+
+
 # --- long programs and waits that never end -------------------------------------------------
 
 

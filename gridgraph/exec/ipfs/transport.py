@@ -446,6 +446,12 @@ class GridTransport(IpfsTransport):
     def wire_topic(self, topic: str) -> str:
         return topic if topic == DISCOVERY_TOPIC else secure.blind_topic(topic)
 
+    def owner(self, identity: str) -> str:
+        """The Kubo node whose signature the messages of `identity` carry (its libp2p peer
+        ID): one node makes endpoint keys at will (a review sent 40,000 requests, each from
+        a new key, past every per-peer limit)."""
+        return secure.peer_of(identity)
+
     def publish(
         self, topic: str, payload: bytes, counted: bool = True, to: str | None = None
     ) -> None:
