@@ -414,3 +414,67 @@ def test_an_open_grid_client_seals_nothing_for_an_impostor_of_a_worker_it_pinned
     with pytest.raises(gg.WorkerLost):
         torch.randn(64).send(open_wB)
     assert hijacked.heard.empty_after(2.0), "the client sealed a request for wB's impostor"
+
+
+def test_a_name_announced_by_a_peer_that_never_answers_is_left_out(
+    kubo_nodes, ipfs_workers, outsider_node, caplog
+):
+    # connect kept every live name it heard and pinged each in turn: one peer announcing a
+    # name it never serves made every connect to the open grid fail (a review).
+    squatter = GridTransport(outsider_node.api)
+    stop = threading.Event()
+
+    def announce() -> None:
+        seq = 0
+        while not stop.is_set():
+            msg = {"kind": "announce", "name": "ghost", "instance": "x", "lease": 300.0,
+                   "seq": seq}  # fmt: skip
+            squatter.publish(DISCOVERY_TOPIC, wire.encode(msg), False)
+            seq += 1
+            stop.wait(0.3)
+
+    thread = threading.Thread(target=announce, daemon=True)
+    thread.start()
+    try:
+        discover(kubo_nodes[0].api, names=["ghost"], timeout=30)  # heard on the client's node
+        with caplog.at_level("WARNING", logger="gridgraph.ipfs"):
+            for _ in range(3):  # (until a connect has heard it before it chose its workers)
+                with gg.connect(ipfs=kubo_nodes[0].api, min_workers=3, timeout=60) as grid:
+                    assert "ghost" not in [w.name for w in grid.workers]
+                    a = torch.randn(4)
+                    assert torch.equal((a.send(grid.workers[0]) + 1).get(), a + 1)
+                if "did not answer: ghost" in caplog.text:
+                    break
+        assert "did not answer: ghost" in caplog.text  # it was heard, then left out
+        with pytest.raises(GridError, match="ghost"):  # named, it must answer
+            gg.connect(ipfs=kubo_nodes[0].api, workers=["ghost"], timeout=5)
+    finally:
+        stop.set()
+        thread.join()
+        squatter.close()
+
+
+def test_a_workers_lease_sets_how_often_that_worker_alone_is_pinged(kubo_nodes, tmp_path):
+    # The keep-alive pinged every worker at a third of the shortest lease any of them
+    # announced: a worker announcing 1 ms made its clients flood every worker they used.
+    workers = start_workers(
+        [(kubo_nodes[1], "hasty")], tmp_path / "hasty", lease=0.001
+    ) + start_workers([(kubo_nodes[2], "calm")], tmp_path / "calm")
+    pings: dict[str, int] = {"hasty": 0, "calm": 0}
+
+    def count(topic: str, payload: bytes) -> int:
+        for name in pings:
+            if topic == worker_topic(name):
+                pings[name] += 1
+        return 1
+
+    try:
+        tap = Tap(GridTransport(kubo_nodes[0].api), count)
+        with grid_over(tap, workers=["hasty", "calm"], timeout=30):
+            before = dict(pings)
+            time.sleep(3)
+            during = {name: pings[name] - before[name] for name in pings}
+        assert during["calm"] == 0  # its lease is 300 s: pinged every 100 s
+        assert during["hasty"] <= 3 / 0.5 + 1  # at most every MIN_PING_INTERVAL
+    finally:
+        stop_all(workers)

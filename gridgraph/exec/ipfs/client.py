@@ -3,8 +3,12 @@
 A client finds workers through the discovery topic (discovery.py), pins the endpoint and
 process instance behind each name (its messages for that name, and the identities its runs
 name for it, stay those of the worker it connected to), and pings (a `stats` request, which
-workers leave out of the traffic counts) every worker at a third of the workers' lease, so
-an idle but open grid keeps its tensors; a client silent past the lease has them freed.
+workers leave out of the traffic counts) each worker at a third of the lease it announces,
+and never more often than every MIN_PING_INTERVAL s, so an idle but open grid keeps its
+tensors; a client silent past the lease has them freed. (A worker announcing a lease of a
+millisecond made its clients flood every worker they use with pings; each worker's lease
+now sets its own pings only.) A worker that announces itself but does not answer is left
+out of a grid asked for no names in particular: anyone can announce a name.
 PubSub loses a message now and then: clients resend requests after `retry_after` (0.5 s,
 backing off); every resent message carries its original id, so nothing runs twice.
 
@@ -19,9 +23,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 import uuid
 from pathlib import Path
 
+from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.client import Client
 from gridgraph.exec.grid import Grid
@@ -42,6 +48,8 @@ from gridgraph.schedule.cost import CostModel
 log = logging.getLogger("gridgraph.ipfs")
 
 DEFAULT_API = "/ip4/127.0.0.1/tcp/5001"
+MIN_PING_INTERVAL = 0.5  # seconds: a worker's lease sets how often it is pinged, down to this
+PING_TIMEOUT = 15.0  # seconds a worker found by discovery has to answer its first ping
 
 
 def connect(
@@ -60,9 +68,10 @@ def connect(
     """A Grid of the live workers reachable through the Kubo node whose API is `ipfs`.
 
     Waits until at least `min_workers` workers announce themselves (or exactly `workers`,
-    when named), then keeps every live one it heard; raises GridError after `timeout` s.
+    when named), then keeps every live one it heard that answers a ping (within
+    PING_TIMEOUT s; named ones must answer); raises GridError after `timeout` s.
     `lease`: the silence after which workers free this client's tensors, as the client
-    assumes it to ping them in time (default: the shortest lease they announce).
+    assumes it to ping them in time (default: the lease each worker announces).
     `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x);
     PubSub loses about one message in a few hundred, and a worker answers a repeated request
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
@@ -133,35 +142,72 @@ def grid_over(
         )
         # The first replies may go out before the workers' nodes learn of our reply topic: one
         # quick round trip each, resent often, makes sure the grid answers before it is used.
-        client.retry_after, default_timeout, client.timeout = 0.25, client.timeout, timeout
-        for name in names:
-            client.request(name, {"kind": "ping"}, counted=False)
+        client.retry_after, default_timeout = 0.25, client.timeout
+        client.timeout = timeout if workers is not None else min(timeout, PING_TIMEOUT)
+        silent = _silent(client, names)
         client.retry_after, client.timeout = retry_after, default_timeout
+        if silent and workers is not None:
+            raise next(iter(silent.values()))
+        if len(names) - len(silent) < min_workers:
+            raise GridError(
+                f"{len(names) - len(silent)} of the workers found on {where} answered, fewer "
+                f"than min_workers={min_workers}; silent: {', '.join(silent)}"
+            )
+        if silent:  # announced, but not answering: someone's stale or squatted name
+            log.warning("left out workers that did not answer: %s", ", ".join(silent))
+            names = client.workers = [n for n in names if n not in silent]
     except BaseException:
         transport.close()
         raise
-    keepalive = _KeepAlive(client, directory, lease or directory.lease(names))
+    keepalive = _KeepAlive(client, directory, lease)
     keepalive.start()
     log.info("connected to %d workers on %s: %s", len(names), where, ", ".join(names))
     return Grid(client, on_close=keepalive.stop.set)
 
 
-class _KeepAlive(threading.Thread):
-    """Pings each worker at a third of the lease, so an idle grid keeps its tensors."""
+def _silent(client: Client, names: list[str]) -> dict[str, Exception]:
+    """Ping every worker at once: the ones that did not answer within the client's timeout,
+    each with its error."""
+    silent: dict[str, Exception] = {}
 
-    def __init__(self, client: Client, directory: Directory, lease: float) -> None:
+    def ping(name: str) -> None:
+        try:
+            client.request(name, {"kind": "ping"}, counted=False)
+        except Exception as e:  # (GridError, WorkerLost, RemoteError ...)
+            silent[name] = e
+
+    threads = [threading.Thread(target=ping, args=(n,), daemon=True) for n in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return silent
+
+
+class _KeepAlive(threading.Thread):
+    """Pings each worker at a third of its lease (`lease`: the same for all), so an idle
+    grid keeps its tensors."""
+
+    def __init__(self, client: Client, directory: Directory, lease: float | None) -> None:
         super().__init__(name=f"gridgraph-keepalive-{client.session}", daemon=True)
         self.client, self.directory = client, directory
-        self.interval = lease / 3
+        self.intervals = {
+            w: max(MIN_PING_INTERVAL, (lease or directory.lease([w])) / 3) for w in client.workers
+        }
         self.stop = threading.Event()
 
     def run(self) -> None:
-        if not math.isfinite(self.interval):
-            return
-        while not self.stop.wait(self.interval):
-            for w in self.client.workers:
+        due = {w: time.monotonic() + interval for w, interval in self.intervals.items()}
+        while True:
+            wait = min(due.values(), default=math.inf) - time.monotonic()
+            if self.stop.wait(max(0.0, wait) if math.isfinite(wait) else None):
+                return
+            for w, at in due.items():
                 if self.client.closed or self.stop.is_set():
                     return
+                if at > time.monotonic():
+                    continue
+                due[w] = time.monotonic() + self.intervals[w]
                 if not self.directory.alive(w):
                     continue
                 # A stats request: read-only, and kept out of the traffic counts on both ends.
