@@ -122,6 +122,10 @@ class Client:
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
+        # Request ids: unique within the session (a worker keeps its records per session),
+        # and cheaper than a uuid4 per request, whose os.urandom call also let another
+        # thread take the interpreter lock in the middle of a send.
+        self._request_ids = map("{:x}".format, itertools.count(1))
         self._replies: dict[str, dict] = {}
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
@@ -489,7 +493,7 @@ class Client:
         return reply
 
     def _send(self, worker: str, msg: dict, counted: bool = True) -> str:
-        rid = uuid.uuid4().hex
+        rid = next(self._request_ids)
         msg = {
             **msg,
             "id": rid,
