@@ -64,9 +64,9 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -343,12 +343,20 @@ class IpfsTransport(Transport):
                 del self._pending[peer]
 
     def _fetch_all(self, refs: list, bar: Progress) -> list[bytes]:
-        """A payload's blocks, in order, FETCH_WINDOW at a time; stops at the first that
-        cannot be fetched."""
+        """A payload's blocks, in order, at most FETCH_WINDOW being fetched at a time (the
+        next starts as the oldest arrives); stops at the first that cannot be fetched."""
         pieces: list[bytes] = []
-        for start in range(0, len(refs), FETCH_WINDOW):
-            window = refs[start : start + FETCH_WINDOW]
-            pieces += self._fetcher.map(lambda ref: self._fetch(ref, bar), window)
+        waiting: deque[Future] = deque()
+        try:
+            for ref in refs:
+                if len(waiting) == FETCH_WINDOW:
+                    pieces.append(waiting.popleft().result())
+                waiting.append(self._fetcher.submit(self._fetch, ref, bar))
+            while waiting:
+                pieces.append(waiting.popleft().result())
+        finally:
+            for fetch in waiting:  # (after a failure: the rest are not wanted)
+                fetch.cancel()
         return pieces
 
     def _fetch(self, ref: list, bar: Progress) -> bytes:
