@@ -22,8 +22,9 @@ A client is one session of one authenticated peer (see worker.py). Policy:
     sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one
                 evicts the peer's own least recently seen idle session. A session that a
                 transfer opens counts against the transfer's sender until its client adopts
-                it (worker.py). The default is an eighth of `max_executors`, so that no one
-                peer holds every executor place (a client needs one session a grid).
+                it (worker.py). The default is a quarter of `max_executors`, so that no
+                one peer holds every executor place (a client needs one session a grid; on
+                IPFS the clients of one Kubo node share its 16).
     executors   a worker runs at most `max_executors` executor processes at once (each
                 holds some 15 MB of its own, and sessions are free to open): a session
                 that needs one past that is refused, naming the limit, until another
@@ -76,7 +77,7 @@ class Limits:
     max_message_bytes: int = 256 * MiB
     requests_per_second: float = 500.0
     request_burst: int = 2000
-    sessions_per_peer: int = 8
+    sessions_per_peer: int = 16
     max_executors: int = 64
 
     @classmethod

@@ -191,10 +191,13 @@ class _Decoder:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
             tensor = torch.from_numpy(array.reshape(shape))
         else:
-            tensor = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
-            if dtype == torch.bool and tensor.view(torch.uint8).max() > 1:
+            flat = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
+            if dtype == torch.bool and flat.view(torch.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
-            tensor = tensor.reshape(shape)
+            # Over the same storage, but no view of `flat` (whose `_base` would keep it, and
+            # with it the whole region, alive through `own_memory`).
+            storage = flat.untyped_storage()
+            tensor = torch.empty(0, dtype=dtype).set_(storage, flat.storage_offset(), shape)
         self.views.append(tensor)
         return tensor
 

@@ -210,14 +210,17 @@ def _inside(t: torch.Tensor, buffer: bytearray) -> bool:
     return start <= t.data_ptr() < start + len(buffer)
 
 
-def test_each_tensor_of_a_message_of_several_has_memory_of_its_own():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # (numpy, torch)
+def test_each_tensor_of_a_message_of_several_has_memory_of_its_own(dtype):
     # As views of the message, a tensor kept after the others were freed kept their bytes
-    # alive, uncounted (a client stored 4 bytes that held 15 MiB).
-    big, small = torch.randn(1 << 16), torch.randn(1)
+    # alive, uncounted (a client stored 4 bytes that held 15 MiB); a bfloat16 one kept
+    # them through its `_base` after its first copy.
+    big, small = torch.randn(1 << 16).to(dtype), torch.randn(1).to(dtype)
     payload = wire.encode({"kind": "put", "values": [[1, big], [2, small]]})
     [[_, got_big], [_, got_small]] = wire.decode(payload)["values"]
     assert torch.equal(got_big, big) and torch.equal(got_small, small)
     assert not _inside(got_big, payload) and not _inside(got_small, payload)
+    assert got_small._base is None and got_big._base is None
     alone = wire.encode({"kind": "put", "values": [[1, big]]})  # one tensor: viewed, no copy
     assert _inside(wire.decode(alone)["values"][0][1], alone)
 

@@ -66,7 +66,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,8 +86,8 @@ log = logging.getLogger(__name__)
 ENVELOPE_VERSION = 1
 INLINE_MAX = 256 * 1024
 BLOCK_SIZE = 512 * 1024
-ASSEMBLERS = 16  # block payloads fetched at once, each on an assembler of its own
-PENDING_PER_PEER = 2  # of them, from one sending peer; more are dropped (and sent again)
+ASSEMBLERS = 32  # block payloads fetched at once, each on an assembler of its own
+PENDING_PER_PEER = 4  # of them, from one sending peer; more are dropped (and sent again)
 FETCH_WINDOW = 8  # blocks of one payload fetched at once
 PUT_PARALLELISM = 8  # blocks stored at once
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
@@ -316,6 +316,7 @@ class IpfsTransport(Transport):
 
     def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
         """On an assembler thread: fetch a payload's blocks, then hand it over."""
+        payload = None
         try:
             bar = Progress(f"receive {topic}", envelope["t"], self.progress)
             try:
@@ -331,7 +332,7 @@ class IpfsTransport(Transport):
                 log.exception("fetching a message on %r from %s failed", topic, peer)
             return
         finally:
-            self._release(envelope)
+            self._release(envelope, peer, delivered=payload is not None)
             self._done(peer)
         self._hand(topic, sender, payload)
         self._received(sender, envelope)
@@ -354,9 +355,10 @@ class IpfsTransport(Transport):
                 waiting.append(self._fetcher.submit(self._fetch, ref, bar))
             while waiting:
                 pieces.append(waiting.popleft().result())
-        finally:
-            for fetch in waiting:  # (after a failure: the rest are not wanted)
+        finally:  # after a failure: the rest are not wanted, and none may land after it
+            for fetch in waiting:
                 fetch.cancel()
+            wait(waiting)
         return pieces
 
     def _fetch(self, ref: list, bar: Progress) -> bytes:
@@ -392,8 +394,8 @@ class IpfsTransport(Transport):
     def _received(self, sender: str, envelope: dict) -> None:
         """A block payload was handed over."""
 
-    def _release(self, envelope: dict) -> None:
-        """Done with a block payload's blocks, whether it was delivered or not."""
+    def _release(self, envelope: dict, peer: str, delivered: bool) -> None:
+        """Done with a block payload's blocks from node `peer`, delivered or not."""
 
 
 @dataclass
@@ -541,13 +543,16 @@ class GridTransport(IpfsTransport):
     def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
         return secure.open_pieces(envelope["k"], pieces)
 
-    def _release(self, envelope: dict) -> None:
+    def _release(self, envelope: dict, peer: str, delivered: bool) -> None:
         """Remove our copies of a payload's blocks, whether it opened or not: kept, a peer
         naming its own blocks under a wrong key filled this node's repo (768 MiB in 20 s).
         Only this node's copies go, and only blocks not pinned (`block rm` refuses those):
         what the node's garbage collector may drop any time. Block CIDs travel sealed, so a
-        peer can name only blocks sent to it, or of its own."""
-        self._remove([cid for cid, _ in envelope["b"]])
+        peer can name only blocks sent to it, or of its own. One exception: the blocks of a
+        payload not delivered from an endpoint on this same node are its sender's own copies,
+        which it sends again on a resend; they stay until it removes them."""
+        if delivered or peer != self.peer:
+            self._remove([cid for cid, _ in envelope["b"]])
 
     def _wanted(self, sender: str, envelope: dict) -> bool:
         """A resent envelope naming a payload we are fetching is dropped: the first copy

@@ -246,9 +246,9 @@ def test_executors_are_capped_worker_wide_and_a_session_past_the_cap_is_refused(
 def test_one_peer_cannot_take_every_executor_place():
     # Sessions cost nothing to open: one peer that opened as many as a worker has executor
     # places held them all, and every other client's first request was refused.
-    with gg.local_grid(1, limits=Limits(max_executors=16), isolate=True) as grid:
+    with gg.local_grid(1, limits=Limits(max_executors=32), isolate=True) as grid:
         a = torch.randn(4)
-        hoard = [second_client(grid, "mallory") for _ in range(16)]
+        hoard = [second_client(grid, "mallory") for _ in range(32)]
         for client in hoard:
             try:
                 a.send(client.workers[0])
