@@ -462,8 +462,25 @@ class Worker:
                 if msg is None:
                     msg = wire.decode(payload)  # (checked when it arrived)
                 self._serve(session, msg, payload)
-            except Exception:  # a bug must not take the worker down
+            except Exception as e:  # a bug must not take the worker down
                 log.exception("%s: failed to serve a request of %s", self.name, session.key)
+                self._answer_failure(session, msg, e)
+
+    def _answer_failure(self, session: Session, msg: dict | None, error: Exception) -> None:
+        """Reply with an error to a request whose serving failed unexpectedly, unless it was
+        answered already: every accepted request gets exactly one reply."""
+        try:
+            rid, reply_to = msg["id"], msg["reply_to"]
+            record = session.records.get(rid)
+            if record is None or record.reply is not None:
+                return
+            failure = RequestError(
+                f"worker {self.name} failed to serve this request ({type(error).__name__}: "
+                f"{error}); see its log"
+            )
+            self._reply(session, rid, reply_to, self._error_reply(rid, failure))
+        except Exception:
+            log.exception("%s: could not answer a request that failed", self.name)
 
     def _serve(self, session: Session, msg: dict, payload: bytes) -> None:
         rid, kind = msg["id"], msg["kind"]

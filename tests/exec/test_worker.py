@@ -76,6 +76,25 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply_and_is_not_run_again(l
     assert worker.sessions[f"mallory/{peer.session}"].ops_run == ops
 
 
+def test_a_request_whose_serving_fails_unexpectedly_gets_an_error_reply(local_grid, monkeypatch):
+    # A bug while serving was logged, and the request got no reply: its client waited for
+    # its whole timeout (a review: an executor's close raising in a bye).
+    peer = Peer(local_grid)
+    worker = local_grid.local_workers[0]
+    serve = Worker._serve
+
+    def broken(self, session, msg, payload):
+        if msg["kind"] == "stats":
+            raise RuntimeError("an injected bug")
+        return serve(self, session, msg, payload)
+
+    monkeypatch.setattr(Worker, "_serve", broken)
+    reply = peer.request("w0", {"kind": "stats"}, timeout=10)
+    assert not reply["ok"] and "an injected bug" in reply["error"]["message"]
+    assert peer.request("w0", {"kind": "ping"})["ok"]  # and the session goes on
+    assert worker.sessions[f"mallory/{peer.session}"] is not None
+
+
 def test_every_malformed_request_gets_one_error_reply(local_grid):
     peer = Peer(local_grid)
     bad = [
