@@ -42,7 +42,8 @@ assemblers, and no one else's payload waits behind their blocks (one fetch queue
 held every payload up for minutes behind 1,024 missing blocks). Storing blocks to send has
 threads of its own. `GridTransport` removes the blocks of a payload that does not open as
 it does those of one that does (a peer naming blocks of its own under a wrong key filled
-the node's repo), and takes no blocks on an ack topic. Kubo hands a node its own
+the node's repo), but for a sender on the same node (they are its own copies, named again
+when it resends), and takes no blocks on an ack topic. Kubo hands a node its own
 publications too; they are skipped unless `deliver_own=True`. A malformed or unopenable
 message, a block that cannot be fetched or a failing handler is logged and dropped; a broken
 stream is reopened until `close()`.
