@@ -16,6 +16,12 @@ State:
                (`sessions_per_peer` of them, and no eviction), not against the peer it
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
+    ended      why the worker ended sessions its clients had used (lease, eviction), by key,
+               ENDED_KEPT per peer for the ENDED_PEERS latest peers: a later request of
+               such a session is refused as `session-ended` naming the cause (the client
+               raises `gg.SessionLost`), and no empty session is opened in its place, whose
+               runs would fail as "value not stored". Sessions ended by their bye, or
+               opened by a transfer and never adopted, leave no record.
     rate       a token bucket per peer (limits.py)
     stray      per sending peer, the bytes of its transfers kept for sessions whose runs
                never named it: charged to it (up to `max_client_memory`), not to them, so
@@ -68,6 +74,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from gridgraph.exec import wire
@@ -110,6 +117,9 @@ SESSION_ENDED = RequestError(
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
+# Ended sessions remembered (see `ended` above): per peer, and peers, the latest ones.
+ENDED_KEPT = 64
+ENDED_PEERS = 1024
 
 
 def worker_topic(name: str) -> str:
@@ -147,6 +157,7 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
+        self.ended = EndedSessions()  # (under _lock)
         # what each sender's transfers hold in the inboxes of sessions whose runs never
         # named it: charged to it, up to the client memory limit, not to those sessions
         self.stray = SenderBudgets(self.limits.max_client_memory)
@@ -320,6 +331,8 @@ class Worker:
                 return None
             if session is not None and (not create or opened_by or not session.opened_by):
                 return session
+            if session is None and (why := self.ended.why(peer, key)) is not None:
+                raise RequestError(why, "session-ended")
             # A new session, or its client's first request to one a transfer opened.
             self._make_room(peer, opened_by)
             if session is None:
@@ -355,6 +368,11 @@ class Worker:
         del self.sessions[oldest.key]
         log.info("%s: client %s evicted: its peer opened a session over its %d",
                  self.name, oldest.key, limit)  # fmt: skip
+        self.ended.add(
+            oldest,
+            f"worker {self.name} ended this session, and freed its tensors, to make room for "
+            f"a newer one of the same peer, over its {limit} (sessions_per_peer)",
+        )
         oldest.close()
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
@@ -606,6 +624,11 @@ class Worker:
                 with self._lock:
                     if self.sessions.get(session.key) is session:
                         del self.sessions[session.key]
+                    self.ended.add(
+                        session,
+                        f"the lease of this session on worker {self.name} expired: it was "
+                        f"silent for over {lease:g} s, and the worker freed its tensors",
+                    )
                 session.close()
 
     # --- transfers between workers (called by Run) -----------------------------------------
@@ -682,6 +705,29 @@ class Worker:
             serving = list(self._serving)
         for thread in [self._sender, *serving]:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class EndedSessions:
+    """Why sessions ended, by key: ENDED_KEPT per peer (a peer's own churn pushes out only
+    its own), for the ENDED_PEERS peers that most recently lost one."""
+
+    def __init__(self) -> None:
+        self._by_peer: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+
+    def add(self, session: Session, why: str) -> None:
+        if session.opened_by:  # opened by a transfer, never used by its client
+            return
+        kept = self._by_peer.pop(session.peer, None) or OrderedDict()
+        self._by_peer[session.peer] = kept  # the most recent peer last
+        kept[session.key] = why
+        if len(kept) > ENDED_KEPT:
+            kept.popitem(last=False)
+        if len(self._by_peer) > ENDED_PEERS:
+            self._by_peer.popitem(last=False)
+
+    def why(self, peer: str, key: str) -> str | None:
+        kept = self._by_peer.get(peer)
+        return kept.get(key) if kept is not None else None
 
 
 def _client_key(sender: str, msg: dict) -> str:

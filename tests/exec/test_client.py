@@ -299,6 +299,26 @@ def test_a_session_the_worker_ended_raises_session_lost(local_grid):
         x.get()
 
 
+def test_a_session_whose_lease_ran_out_raises_session_lost_naming_the_lease(local_grid):
+    # Once the worker has dropped the ended session, the client's next request must not
+    # open a fresh, empty one there and fail as "value not stored": it names the cause.
+    x = torch.ones(3).send(local_grid.workers[0])
+    worker = local_grid.local_workers[0]
+    (session,) = worker.sessions.values()
+    with session.cv:
+        session.last_seen -= 60.0  # silent for a minute, as far as the worker knows
+    worker.expire_clients(lease=30.0)
+    assert not worker.sessions
+    with pytest.raises(gg.SessionLost, match="lease"):
+        x.get()
+    with pytest.raises(gg.SessionLost, match="lease"):  # and so does every later request
+        torch.zeros(2).send(local_grid.workers[0])
+    assert not worker.sessions  # none was opened again for it
+    y = torch.randn(3)  # another client of the same worker is served as before
+    with gg.local_grid(1) as other:
+        assert torch.equal((y.send(other.workers[0]) * 2).get(), y * 2)
+
+
 def test_a_run_on_several_workers_wakes_its_caller_once(local_grid):
     # The caller waits for every worker's reply. One that comes early must not wake it: on a
     # local grid a woken caller takes the interpreter lock from the workers still running.

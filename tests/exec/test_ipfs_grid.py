@@ -392,8 +392,9 @@ def test_a_silent_clients_tensors_expire_with_the_lease(
             assert torch.equal(x.get(), a)
         fetch = {"kind": "run", "run": 1, "plan": 1, "program": [[["return", 0]]], "slots": [1],
                  "params": [], "session": "silent"}  # fmt: skip
-        reply = raw_peer.request("wl", fetch)  # the silent client's tensor is gone
-        assert not reply["ok"] and "not stored here" in reply["error"]["message"]
+        reply = raw_peer.request("wl", fetch)  # the silent client's tensor is gone: it is
+        error = reply["error"]  # told so, naming the lease, and no empty session is opened
+        assert error["code"] == "session-ended" and "lease" in error["message"], reply
     finally:
         stop_all([wl])
 

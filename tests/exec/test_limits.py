@@ -28,7 +28,7 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import RESENDS, worker_topic
+from gridgraph.exec.worker import ENDED_KEPT, RESENDS, worker_topic
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30
@@ -141,10 +141,29 @@ def test_a_peer_holds_at_most_its_share_of_sessions_and_a_new_one_evicts_its_old
         assert not any(k.endswith("/s0") for k in grid.local_workers[0].sessions)
         fetch = {"kind": "run", "run": 1, "plan": 1, "program": [[["return", 0]]],
                  "slots": [1], "params": []}  # fmt: skip
-        assert "not stored here" in peers[0].request("w0", fetch)["error"]["message"]
+        error = peers[0].request("w0", fetch)["error"]  # the evicted client is told so
+        assert error["code"] == "session-ended" and "sessions_per_peer" in error["message"]
+        assert not any(k.endswith("/s0") for k in grid.local_workers[0].sessions)
         assert torch.equal(peers[2].request("w0", fetch)["returns"][0][1], torch.ones(2))
         x = torch.randn(3)  # another peer's sessions are never evicted for it
         assert torch.equal((x.send(grid.workers[0]) + 1).get(), x + 1)
+
+
+def test_another_peers_churn_does_not_make_a_worker_forget_why_my_session_ended():
+    # A peer that makes and loses sessions by the hundred pushes out its own records of
+    # ended sessions, never another peer's: that one is still told why its session ended.
+    with gg.local_grid(1, limits=Limits(sessions_per_peer=1)) as grid:
+        fetch = run([["return", 0]], [1])
+        victim, rest = Peer(grid, "victim", session="a"), Peer(grid, "victim", session="b")
+        assert victim.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+        assert rest.request("w0", {"kind": "ping"})["ok"]  # evicts the victim's session "a"
+        for i in range(3 * ENDED_KEPT):  # each new session evicts the one before
+            assert Peer(grid, "churn", session=f"s{i}").request("w0", {"kind": "ping"})["ok"]
+        error = victim.request("w0", fetch)["error"]
+        assert error["code"] == "session-ended" and "sessions_per_peer" in error["message"]
+        ended = grid.local_workers[0].ended
+        assert ended.why("churn", "churn/s0") is None  # the churner's oldest were dropped
+        assert ended.why("churn", f"churn/s{2 * ENDED_KEPT}") is not None
 
 
 def test_transfers_open_sessions_on_their_senders_share_and_the_client_adopts_them():
