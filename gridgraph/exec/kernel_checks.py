@@ -10,7 +10,9 @@ tensors: a crash of the worker, heap corruption, or another client's bytes in a 
 Policy, per op (`CHECKS`): the integer tensors an op indexes with are made contiguous (an
 expanded one was read as if it were) and checked to lie within what they index; tensors a
 kernel reads as if shaped by its forward are checked to be so shaped; mode numbers are
-checked to name a mode. A failed check raises `KernelArgumentRefused` before the op runs,
+checked to name a mode; values a kernel cannot take without trapping (a truncated integer
+division) or without allocating by them (an antialiased resize's scales) are refused. A
+failed check raises `KernelArgumentRefused` before the op runs,
 so it changes nothing. What these cost: a min and a max over index tensors, a few shape
 comparisons.
 """
@@ -33,11 +35,14 @@ class KernelArgumentRefused(ValueError):
 
 def checked_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> tuple[list, dict]:
     """`op`'s arguments checked (`CHECKS`), its integer tensors made contiguous (all its
-    tensors, for the backward kernels in `READ_AS_CONTIGUOUS`, which write none)."""
-    every = op._schema.name in READ_AS_CONTIGUOUS
-    args = [_contiguous(a, every) for a in args]
-    kwargs = {k: _contiguous(v, every) for k, v in kwargs.items()}
-    CHECKS[op._schema.name](argument_reader(op, args, kwargs))
+    tensors, for the backward kernels in `READ_AS_CONTIGUOUS`, which write none; none, for
+    the ops in `VALUES_ONLY`)."""
+    name = op._schema.name
+    if name not in VALUES_ONLY:
+        every = name in READ_AS_CONTIGUOUS
+        args = [_contiguous(a, every) for a in args]
+        kwargs = {k: _contiguous(v, every) for k, v in kwargs.items()}
+    CHECKS[name](argument_reader(op, args, kwargs))
     return args, kwargs
 
 
@@ -221,6 +226,65 @@ def _layer_norm_backward(arg: Arg) -> None:
     for name, numel in (("mean", groups), ("rstd", groups), ("weight", math.prod(normalized)),
                         ("bias", math.prod(normalized))):  # fmt: skip
         _sized(arg(name), name, numel)
+
+
+# --- arithmetic ------------------------------------------------------------------------------
+
+# Pairs of elements compared one to one up to this many (broadcast); past it, any trapping
+# value in each argument is refused (the comparison would allocate a byte per element).
+PAIRS_COMPARED = 1 << 22
+
+
+def _integer_division(arg: Arg) -> None:
+    """No int32 or int64 minimum divided by -1 with rounding_mode="trunc": the quotient
+    overflows and the CPU traps (SIGFPE: the whole worker process died). torch guards the
+    other modes, and divides narrower integers in int."""
+    if arg("rounding_mode") != "trunc":
+        return
+    dividend, divisor = arg("self"), arg("other")
+    dtype = torch.result_type(dividend, divisor)
+    if dtype not in (torch.int32, torch.int64):
+        return
+    least = torch.iinfo(dtype).min
+    if not (_holds(dividend, least) and _holds(divisor, -1)):
+        return
+    pairs = [t for t in (dividend, divisor) if isinstance(t, torch.Tensor)]
+    if math.prod(torch.broadcast_shapes(*(t.shape for t in pairs))) <= PAIRS_COMPARED:
+        if not bool(((dividend == least) & (divisor == -1)).any()):
+            return
+    raise KernelArgumentRefused(
+        f"refused: trunc division of {least} by -1 overflows {dtype} (the CPU traps it); "
+        "rounding_mode='floor' gives the wrapped result"
+    )
+
+
+def _holds(t: Any, value: int) -> bool:
+    """Whether `t` (a tensor or a number) holds `value`: of a tensor, its storage is read
+    (an expanded tensor, read as its logical elements, would be compared billions of times)."""
+    if not isinstance(t, torch.Tensor):
+        return t == value
+    storage = t.untyped_storage()
+    flat = t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+    return bool((flat == value).any())
+
+
+def _antialias_scales(arg: Arg) -> None:
+    """Scales that the sizes could come from: an antialiased resize reads 1/scale input
+    pixels for each output pixel, from weight tables of that size (a 4x4 gradient with
+    scales of 1e-8 allocated 1.5 GB). Resizing by a factor s gives floor(input * s) pixels,
+    so an honest 1/s is at most input/output; up to twice that and one more is allowed."""
+    grad = arg("grad_output")
+    inputs = arg("input_size") if grad is not None else arg("self").shape
+    for axis, name in ((-2, "scales_h"), (-1, "scales_w")):
+        scale = arg(name)
+        if scale is None or scale <= 0:  # (the kernel takes input / output then)
+            continue
+        into, out = int(inputs[axis]), max(1, int(arg("output_size")[axis]))
+        if 1 / scale > 2 * into / out + 1:
+            raise KernelArgumentRefused(
+                f"{name} must be about output / input size ({out} / {into}), not {scale:g}: "
+                f"it would read {1 / scale:.3g} input pixels for each output pixel"
+            )
 
 
 # --- the rest --------------------------------------------------------------------------------
@@ -440,7 +504,14 @@ def _rnn_workspace_bytes(
     return out[3].numel()
 
 
+# Ops checked on their values alone: their tensors are read where they lie, never copied.
+VALUES_ONLY = frozenset({"aten::div", "aten::div_"})
+
 CHECKS: dict[str, Callable[[Arg], None]] = {
+    "aten::div": _integer_division,
+    "aten::div_": _integer_division,
+    "aten::_upsample_bilinear2d_aa": _antialias_scales,
+    "aten::_upsample_bilinear2d_aa_backward": _antialias_scales,
     "aten::embedding": _embedding,
     "aten::embedding_renorm_": _embedding_renorm,
     "aten::embedding_dense_backward": _embedding_dense_backward,

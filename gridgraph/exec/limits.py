@@ -246,9 +246,11 @@ def op_footprint(
     (`op_scratch`): meta kernels allocate only results, so it is bounded from the arguments.
 
     None when the op has no meta kernel (data-dependent ops such as nonzero: bounded from
-    their real arguments by `data_dependent_footprint`) or the arguments do not fit (the
-    real call will say so).
+    their real arguments by `data_dependent_footprint`), its work depends on its data
+    (`_WORK_FROM_DATA`), or the arguments do not fit (the real call will say so).
     """
+    if op._schema.name in _WORK_FROM_DATA:
+        return None
     inputs = tensors_in(args, kwargs)
     storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in inputs}
     sizes = {key: storage.nbytes() for key, storage in storages.items()}
@@ -333,6 +335,7 @@ _CONVOLUTIONS = frozenset({"aten::convolution", "aten::convolution_backward"})
 # int64 for count_nonzero.
 _COPYING_REDUCTIONS = frozenset({"aten::aminmax", "aten::count_nonzero", "aten::logsumexp",
                                  "aten::max", "aten::min"})  # fmt: skip
+_MVLGAMMA = frozenset({"aten::mvlgamma", "aten::mvlgamma_"})
 
 
 def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], arg: Any) -> int:
@@ -347,6 +350,8 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                                      they are)
         a few reductions             one copy, in int64 at least (max, min, aminmax,
                                      logsumexp, count_nonzero)
+        mvlgamma(x, p)               p terms for each element of x (a 4-byte x and p = 1e8
+                                     held 760 MB, charged 4 bytes)
         sorting and selection        2 copies and an int64 index per element (isin sorts a
                                      copy of both inputs; topk, mode: 16 B per float)
         any other op                 one contiguous copy of each input, and more where it
@@ -357,6 +362,9 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     """
     name = op._schema.name
     width = max((t.element_size() for t in inputs + outputs), default=1)
+    if name in _MVLGAMMA:  # p terms per element, and a range of p (they sum to the result)
+        p = max(0, int(arg("p")))
+        return p * (1 + sum(t.numel() for t in inputs)) * width + sum(t.numel() for t in inputs)
     if name in _COPYING_REDUCTIONS:
         return sum(t.numel() * max(8, width) for t in inputs)
     if name in _LAYOUTS or torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags:
@@ -460,6 +468,12 @@ _BATCH_BROADCASTS = frozenset({"aten::cholesky_solve", "aten::linalg_solve_trian
 
 # --- work: how long an op runs ---------------------------------------------------------------
 
+# Polynomials whose kernels loop as many times as the degree `n` they are given, for each
+# element (one element of degree 4e9 ran for 20 s): charged POLYNOMIAL_STEP_WORK a step,
+# from `n`'s values, so bounded from the real arguments before they run.
+_WORK_FROM_DATA = frozenset({"aten::special_laguerre_polynomial_l",
+                             "aten::special_legendre_polynomial_p"})  # fmt: skip
+POLYNOMIAL_STEP_WORK = 100.0  # a step of the recurrence, ~5 ns (measured), in work units
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",
              "aten::linear", "aten::addbmm", "aten::einsum"}  # fmt: skip
 # Ops whose every output element takes a pass over the last dimension of its input.
@@ -473,8 +487,9 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     Matrix products and convolutions count their multiply-adds (a convolution's backward
     twice: its input's gradient and its weight's), pools a kernel's elements per output,
     distances and margin losses their output times the vectors' length, embedding bags a
-    row per index, factorisations and solvers n^3 per matrix, sorts n log n, and ops that
-    broadcast their inputs the broadcast elements."""
+    row per index, factorisations and solvers n^3 per matrix, sorts n log n, ops that
+    broadcast their inputs the broadcast elements, mvlgamma its p terms per element, and
+    the polynomials of `_WORK_FROM_DATA` their degree per element."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
@@ -500,6 +515,11 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
         return max(work, biggest * math.log2(max(2, biggest)))
     if name == "aten::_trilinear":
         return max(work, 2.0 * _trilinear_elements(arg))
+    if name in _WORK_FROM_DATA:
+        steps = _largest_degree(arg("n"))
+        return max(work, POLYNOMIAL_STEP_WORK * steps * max(1, _broadcast_elements(inputs)))
+    if name in _MVLGAMMA:
+        return max(work, 2.0 * max(0, int(arg("p"))) * biggest)
     return max(work, float(_broadcast_elements(inputs)) if name in _BROADCAST_LOSSES else 0.0)
 
 
@@ -513,6 +533,17 @@ def _cubed(t: torch.Tensor) -> float:
         return float(t.numel())
     n, m = sorted(t.shape[-2:])
     return float(math.prod(t.shape[:-2])) * m * n * n
+
+
+def _largest_degree(n: Any) -> float:
+    """The largest degree in `n` (a tensor or a number): a kernel's loop count. The kernels
+    cast it to int64 (so past 2^63 it is charged as 2^63)."""
+    if isinstance(n, torch.Tensor):
+        if n.dtype == torch.bool or not n.numel():
+            return float(n.numel() > 0)
+        n = float(n.abs().amax())
+    n = abs(float(n))
+    return 0.0 if math.isnan(n) else min(n, 2.0**63)
 
 
 def _inner_dim(name: str, inputs: list[torch.Tensor]) -> int:

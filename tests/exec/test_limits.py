@@ -24,6 +24,7 @@ from gridgraph.exec import session, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     Limits,
+    MiB,
     RateLimiter,
     format_size,
     parse_size,
@@ -90,6 +91,36 @@ def test_a_program_clearly_over_the_time_limit_is_refused_before_it_runs():
         with pytest.raises(gg.RemoteError, match=r"time limit of 10 s"):
             total.get()
         assert grid.stats()["workers"]["w0"]["ops_run"] == 0
+
+
+@pytest.mark.parametrize("op", ["laguerre_polynomial_l", "legendre_polynomial_p"])
+def test_a_polynomial_of_huge_degree_is_refused_before_it_runs(op):
+    # Their kernels loop `n` times for each element: one element of degree 1e9 ran for 5 s
+    # (4e9: 20 s; 1e12: hours, in a kernel nothing stops) on an estimate of one element.
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
+        x = torch.tensor([0.5], dtype=torch.float64).send(grid.workers[0])
+        n = torch.tensor([1e9], dtype=torch.float64).send(grid.workers[0])
+        with pytest.raises(gg.RemoteError, match=r"would run for about \d+ s, over the request"):
+            getattr(torch.special, op)(x, n).get()
+        assert grid.stats()["workers"]["w0"]["ops_run"] == 0
+        low = torch.tensor([3.0, 5.0], dtype=torch.float64)  # honest degrees run as in torch
+        want = getattr(torch.special, op)(torch.tensor([0.5, 0.5], dtype=torch.float64), low)
+        got = getattr(torch.special, op)(x.expand(2), low.send(grid.workers[0])).get()
+        assert torch.equal(got, want)
+
+
+def test_mvlgamma_of_a_huge_dimension_is_charged_what_it_allocates():
+    # mvlgamma(x, p) builds p terms for each element of x: a 4-byte x and p = 1e8 held 760 MB
+    # past a 256 MiB limit, charged 4 bytes.
+    with gg.local_grid(1, limits=Limits(max_client_memory=64 * MiB)) as grid:
+        peer = Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.tensor([1e9])]]})["ok"]
+        mvlgamma = run([hostile.call("aten::mvlgamma", [Slot(0), 20_000_000], [1]),
+                        ["return", 1]], [1, 2])  # fmt: skip
+        reply = peer.request("w0", mvlgamma)
+        assert not reply["ok"] and "max_client_memory" in reply["error"]["message"], reply
+        x = torch.tensor([3.0, 4.0])  # and honest ones run as in torch
+        assert torch.equal(torch.mvlgamma(x.send(grid.workers[0]), 3).get(), torch.mvlgamma(x, 3))
 
 
 def test_a_program_running_past_the_time_limit_is_stopped_and_undone():
