@@ -179,7 +179,10 @@ def _runner(op: torch._ops.OpOverload) -> Runner:
         return lambda rng, args, kwargs: _resize(op, args, kwargs)
     if _seeded(op):
         return lambda rng, args, kwargs: rng.seeded(op, args, kwargs)
-    return lambda rng, args, kwargs: op(*args, **kwargs)
+    # What `op(...)` calls, without its Python frame (OpOverload.__call__ takes another path
+    # only inside a __torch_function__ handler, which no worker thread runs in; `_op` is read
+    # at each call, as torch may swap it).
+    return lambda rng, args, kwargs: op._op(*args, **kwargs)
 
 
 def _as_strided_(rng: RandomState, args: list, kwargs: dict) -> Any:

@@ -37,13 +37,16 @@ the shapes of everything it creates are worked out on the meta device from the s
 (`limits.op_scratch`), so a run that would break the memory or time limit is refused before
 any step runs (a run's slots name distinct values, and inputs that are one tensor object
 share one meta tensor, so what the walk sees is what the run will hold). Steps whose inputs
-only arrive during the run (a `recv`) are checked the same way just before they run, from
-footprints remembered per argument layout (a replayed step receives the same layouts every
-time); an op whose output size its data sets (bincount, nonzero) is checked just before it
-runs, from a bound read off its arguments (`limits.data_dependent_footprint`). Every result is
-bounds-checked, the memory limit is checked after every call (from running byte counts)
-and the time limit before every step. A run that fails undoes what it stored. The work the
-footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
+only arrive during the run (a `recv`) are checked just before they run, each from a walk of
+the same kind over the steps up to the next recv, made once the recv has stored what it
+received (`Stretch`); walks are remembered per layout of what they read (a replayed step
+receives the same layouts every time). An op whose output size its data sets (bincount,
+nonzero), and the ops that read what it made, are checked just before they run, from a
+bound read off its arguments (`limits.data_dependent_footprint`), or from a meta run on
+theirs (`CompiledCall.footprint`). Every result is bounds-checked, the memory limit is
+checked after every call (from running byte counts) and the time limit before every step.
+A run that fails undoes what it stored. The work the footprint finds for a call also sets
+how many intra-op threads it runs on (intraop.py).
 
 Transfers between workers: a run message names the identity of every worker its `send` and
 `recv` steps name (`peers`, which the client takes from its own view of the grid, where its
@@ -507,7 +510,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
         raise RequestError(f"run of plan {plan_id} does not fit its program")
     peers = _peers(msg.get("peers", {}), program, plan_id)
     # Checked from meta shapes before anything runs or changes; frees count as done.
-    peak, work, op_work = program.footprint(session.store, slots, params)
+    peak, work, checked = program.footprint(session.store, slots, params)
     held = session.memory() - session.store.bytes_freed_by(frees)
     if "program" in msg and plan_id not in session.programs:
         held += program.nbytes
@@ -518,7 +521,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     session.programs.move_to_end(plan_id)
     _free(session, frees)
     deadline = host.limits.deadline(start)
-    return Run(host, session, run, slots, params, peers, deadline).execute(program, op_work)
+    return Run(host, session, run, slots, params, peers, deadline).execute(program, checked)
 
 
 def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
@@ -557,14 +560,8 @@ class Program:
         # came in (an empty list is 1 byte on the wire and 64 in memory).
         self.nbytes = max(nbytes, held_bytes(self.steps))
         self.params: set[int] = set()
-        defined: set[int] = set()
-        self.inputs: list[int] = []  # slots read before the program defines them
         for step in self.steps:
             _check_step(step, n_slots, self.params)
-            for slot in _reads(step):
-                if slot not in defined and slot not in self.inputs:
-                    self.inputs.append(slot)
-            defined.update(_defines(step))
         # The workers it sends to or receives from: a run names each one's identity.
         self.workers = {step[2] for step in self.steps if step[0] in ("send", "recv")}
         # Each call step prepared once (its op resolved, its arguments turned into
@@ -572,14 +569,51 @@ class Program:
         self.calls: dict[int, CompiledCall] = {
             i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
         }
-        # (input metas, params) -> (bytes at peak, work, {call step: its work})
-        self._footprints: OrderedDict[tuple, tuple[int, float, dict[int, float]]] = OrderedDict()
+        # Walked on meta before a run: all its steps. After each recv: the steps up to the
+        # next recv (each step in one such stretch, so what they remember stays in
+        # proportion to the program).
+        self.whole = Stretch(self.steps, self.calls, 0, len(self.steps))
+        recvs = [i for i, step in enumerate(self.steps) if step[0] == "recv"]
+        self.after_recv = {
+            i: Stretch(self.steps, self.calls, i + 1, stop)
+            for i, stop in zip(recvs, [*recvs[1:], len(self.steps)])
+        }
 
     def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> tuple:
-        """(new bytes at the peak, work, {call step index: its work}).
+        """(new bytes at the peak, work, {call step: (its new bytes and scratch, its work)})
+        of all its steps, before a run (`Stretch.footprint`)."""
+        return self.whole.footprint(store, slots, params)
+
+
+class Stretch:
+    """Steps of a program walked together on meta tensors (`_footprint`), from the stored
+    values they read before they define them (`inputs`) and the run's parameters.
+
+    A program's footprint is worked out over all its steps before it runs; the steps after
+    a recv read what it received, so those up to the next recv are worked out again when it
+    has stored that, and each of their calls is checked just before it runs (`Run.call`).
+    A footprint is remembered per metadata of the inputs and parameters (FOOTPRINTS_KEPT):
+    a replayed step receives the same layouts every time, and a meta run of each op costs
+    more than most small ops do.
+    """
+
+    def __init__(self, steps: list, calls: dict[int, CompiledCall], start: int, stop: int) -> None:
+        self.steps, self.calls, self.start, self.stop = steps, calls, start, stop
+        defined: set[int] = set()
+        self.inputs: list[int] = []  # slots read before these steps define them
+        for step in steps[start:stop]:
+            for slot in _reads(step):
+                if slot not in defined and slot not in self.inputs:
+                    self.inputs.append(slot)
+            defined.update(_defines(step))
+        # (input metas, params) -> (bytes at peak, work, {call step: (bytes, work)})
+        self._footprints: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def footprint(self, store: ObjectStore, slots: list[int], params: dict) -> tuple:
+        """(new bytes at the peak, work, {call step index: (new bytes and scratch, work)}).
 
         A call step missing from the dict depends on a transfer or on data: it is checked
-        when it runs (`Run.call`)."""
+        when it runs (`Run.check_footprint`)."""
         inputs = {s: store.get(slots[s]) for s in self.inputs if store.has(slots[s])}
         first: dict[int, int] = {}  # an input's tensor object -> the first input slot holding it
         key = (
@@ -587,23 +621,21 @@ class Program:
             tuple(first.setdefault(id(t), s) for s, t in inputs.items()),  # (see _footprint)
             tuple(sorted((i, _param_key(p)) for i, p in params.items())),
         )
-        return _remembered(
-            self._footprints, key, lambda: _footprint(self.steps, self.calls, inputs, params)
-        )
+        return _remembered(self._footprints, key, lambda: _footprint(self, inputs, params))
 
 
 class CompiledCall:
     """A checked call step prepared to run: its op resolved from the allowlist, its
     arguments a template whose slot and parameter positions are filled per run.
 
-    Nothing here is generated source: the op comes from `resolve` (the allowlist) and the
-    fillers are closures over the step's slot and parameter indices, which `_check_step`
-    checked to be in range.
+    Nothing here is generated source: the op comes from `resolve` (the allowlist), and the
+    slot and parameter indices filled in, which `_check_step` checked to be in range, are
+    data (`slot_args`) or closed over (`fills`).
     """
 
-    __slots__ = ("name", "op", "run", "resizes", "args", "kwargs", "fills", "outs", "writes",
-                 "report", "n_returns", "one_out", "threads_matter_from",
-                 "_footprints")  # fmt: skip
+    __slots__ = ("name", "op", "run", "resizes", "args", "kwargs", "slot_args", "fills",
+                 "filled", "outs", "writes", "report", "n_returns", "one_out",
+                 "threads_matter_from", "_footprints")  # fmt: skip
 
     def __init__(self, step: list) -> None:
         _, name, args, kwargs, outs, writes, report = step
@@ -617,12 +649,18 @@ class CompiledCall:
         # Its result, when a tensor, goes to one slot and nothing else changes (most calls):
         # a run stores it without the general path's unpacking (`Run.call`).
         self.one_out = len(outs) == 1 and not writes and not report and not self.resizes
-        # (position or keyword, filler) for each argument that names a slot or parameter;
-        # the other arguments are constants, shared with the template (see `_filler`).
+        # The arguments that name a slot or parameter are filled in per run: (position,
+        # slot) for a positional slot (most of them: filled in a loop, with no call each),
+        # (position or keyword, filler) for the rest; the other arguments are constants,
+        # shared with the template (see `_filler`).
         self.args = list(args)
         self.kwargs = dict(kwargs)
-        self.fills = [(i, _filler(a)) for i, a in enumerate(args) if _has_ref(a)]
+        self.slot_args = [(i, a.index) for i, a in enumerate(args) if type(a) is Slot]
+        self.fills = [
+            (i, _filler(a)) for i, a in enumerate(args) if type(a) is not Slot and _has_ref(a)
+        ]
         self.fills += [(k, _filler(a)) for k, a in kwargs.items() if _has_ref(a)]
+        self.filled = [i for i, _ in self.slot_args] + [where for where, _ in self.fills]
         # metadata of the arguments -> (new bytes, work) or None: see `footprint`
         self._footprints: OrderedDict[tuple, tuple[int, float] | None] = OrderedDict()
 
@@ -635,9 +673,7 @@ class CompiledCall:
         step's steps that read transferred tensors see the same metadata every time and a
         meta run costs more than most small ops do."""
         try:  # (the constant arguments are the same every run: the filled ones tell)
-            key = tuple(
-                [_meta_key(args[w] if type(w) is int else kwargs[w]) for w, _ in self.fills]
-            )
+            key = tuple([_meta_key(args[w] if type(w) is int else kwargs[w]) for w in self.filled])
             hash(key)
         except TypeError:  # an argument that does not hash: work it out every time
             return self._meta_footprint(args, kwargs)
@@ -647,16 +683,18 @@ class CompiledCall:
         meta_args = [_to_meta(a) for a in args]
         meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
         result = op_footprint(self.op, meta_args, meta_kw)
-        return None if result is None else (sum(result[1].values()) + result[2], result[3])
+        return None if result is None else _charged(result)
 
-    def arguments(self, value: Any, params: dict) -> tuple[list, dict]:
-        """This call's (args, kwargs) for one run: `value(slot)` gives a slot's tensor."""
+    def arguments(self, get: Any, slots: list[int], params: dict) -> tuple[list, dict]:
+        """This call's (args, kwargs) for one run: `get(slots[slot])` gives a slot's tensor."""
         args, kwargs = self.args.copy(), self.kwargs.copy()
+        for i, slot in self.slot_args:
+            args[i] = get(slots[slot])
         for where, fill in self.fills:
             if type(where) is int:
-                args[where] = fill(value, params)
+                args[where] = fill(get, slots, params)
             else:
-                kwargs[where] = fill(value, params)
+                kwargs[where] = fill(get, slots, params)
         return args, kwargs
 
 
@@ -680,6 +718,12 @@ def held_bytes(value: Any) -> int:
     return total
 
 
+def _charged(footprint: tuple) -> tuple[int, float]:
+    """(new bytes and scratch, work) of an op's `limits.op_footprint`: what it is checked by."""
+    _, made, scratch, work = footprint
+    return sum(made.values()) + scratch, work
+
+
 def _remembered(cache: OrderedDict, key: Any, work_out: Callable[[], Any]) -> Any:
     """`cache[key]`, from `work_out()` when missing; the FOOTPRINTS_KEPT entries last used
     stay (a program whose steps see a few layouts in turn keeps each of them)."""
@@ -700,20 +744,21 @@ def _has_ref(a: Any) -> bool:
 
 
 def _filler(a: Any) -> Any:
-    """A function (value, params) -> the argument `a` names in one run."""
+    """A function (get, slots, params) -> the argument `a` names in one run (see
+    `CompiledCall.arguments`)."""
     t = type(a)
     if t is Slot:
         index = a.index
-        return lambda value, params: value(index)
+        return lambda get, slots, params: get(slots[index])
     if t is Param:
         index = a.index
-        return lambda value, params: params[index]
+        return lambda get, slots, params: params[index]
     if t is list:
         parts = [_filler(x) for x in a]
-        return lambda value, params: [part(value, params) for part in parts]
+        return lambda get, slots, params: [part(get, slots, params) for part in parts]
     # A constant, shared by every run: ATen copies the lists and numbers it is given and
     # never changes or keeps the Python objects.
-    return lambda value, params: a
+    return lambda get, slots, params: a
 
 
 def _param_key(p: Any) -> Any:
@@ -726,10 +771,9 @@ def _param_key(p: Any) -> Any:
     return repr(p)
 
 
-def _footprint(
-    steps: list, calls: dict[int, CompiledCall], inputs: dict[int, torch.Tensor], params: dict
-) -> tuple:
-    """Run `steps` on meta tensors: the peak of new bytes, the work, each known call's work."""
+def _footprint(stretch: Stretch, inputs: dict[int, torch.Tensor], params: dict) -> tuple:
+    """Run `stretch`'s steps on meta tensors: the peak of new bytes, the work, and each known
+    call's new bytes (with its scratch) and work."""
     # Inputs that are one tensor object (an in-place op's result is stored under its own
     # value id and its input's) get one meta tensor: a layout change through one (as_strided_)
     # shows through the other, as it will when the program runs.
@@ -744,7 +788,7 @@ def _footprint(
     users: dict[int, int] = {}  # meta storage -> slots naming it
     now = peak = 0
     work = 0.0
-    op_work: dict[int, float] = {}
+    ops: dict[int, tuple[int, float]] = {}
 
     def bind(slot: int, t: torch.Tensor | None) -> None:
         nonlocal now
@@ -762,7 +806,9 @@ def _footprint(
     for t in metas.values():
         key = t.untyped_storage()._cdata
         users[key] = users.get(key, 0) + 1
-    for i, step in enumerate(steps):
+    steps = stretch.steps
+    for i in range(stretch.start, stretch.stop):
+        step = steps[i]
         kind = step[0]
         if kind == "call":
             _, name, args, kwargs, outs, writes, _report = step
@@ -771,13 +817,14 @@ def _footprint(
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
-                footprint = op_footprint(calls[i].op, resolved, kw)
+                footprint = op_footprint(stretch.calls[i].op, resolved, kw)
             if footprint is None:  # depends on a transfer or on data: check when it runs
                 for slot in [*outs, *(s for _, s in writes)]:
                     bind(slot, None)
                 continue
-            result, made, scratch, op_work[i] = footprint
-            work += op_work[i]
+            result, made, scratch, _ = footprint
+            ops[i] = _charged(footprint)
+            work += ops[i][1]
             for key, nbytes in made.items():
                 if not users.get(key):  # (growth of a storage held already, by resize_, stays
                     new_bytes[key] = nbytes  # counted: values outside the run may hold it)
@@ -798,7 +845,7 @@ def _footprint(
             t = metas[step[1]]
             now += t.numel() * t.element_size()
             peak = max(peak, now)
-    return peak, work, op_work
+    return peak, work, ops
 
 
 def _meta_arg(a: Any, metas: dict, params: dict) -> Any:
@@ -846,7 +893,9 @@ class Run:
         self.s.store.put(vid, tensor)
         self.created.append(vid)
 
-    def execute(self, program: Program, op_work: dict[int, float]) -> dict:
+    def execute(self, program: Program, checked: dict[int, tuple[int, float]]) -> dict:
+        """Run `program`; `checked`: the footprints of the call steps its check before the
+        run covered (`Program.footprint`)."""
         limits = self.w.limits
         check_memory = limits.max_client_memory is not None
         # Grad mode on, as where the client recorded the ops: no stored tensor requires grad,
@@ -854,12 +903,11 @@ class Run:
         # no workspace without it, and nn.LSTM's backward needs that workspace).
         # (on a serving thread it is on already: then no context, one call instead of three)
         with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
-            return self._execute(program, op_work, limits, check_memory)
+            return self._execute(program, checked, limits, check_memory)
 
-    def _execute(
-        self, program: Program, op_work: dict[int, float], limits: Limits, check_memory: bool
-    ) -> dict:
+    def _execute(self, program: Program, checked: dict, limits: Limits, check_memory: bool) -> dict:
         returns, dynamic = [], []
+        ahead: dict[int, tuple[int, float]] = {}  # footprints worked out after the last recv
         deadline = self.deadline
         for i, step in enumerate(program.steps):
             try:
@@ -867,7 +915,7 @@ class Run:
                     raise TimeLimitExceeded(limits.max_request_seconds)
                 kind = step[0]
                 if kind == "call":
-                    report = self.call(program.calls[i], op_work.get(i))
+                    report = self.call(program.calls[i], checked.get(i), ahead.get(i))
                     if report is not None:
                         dynamic.append(report)
                     if check_memory:  # a sum of running counts: no walk over the store
@@ -876,6 +924,9 @@ class Run:
                     self.send(step[1], step[2])
                 elif kind == "recv":
                     self.recv(step[1], step[2])
+                    # the steps up to the next recv, from what is stored now (`Stretch`)
+                    stretch = program.after_recv[i]
+                    ahead = stretch.footprint(self.s.store, self.slots, self.params)[2]
                 elif kind == "free":
                     self.s.store.free(self.slots[step[1]])
                 elif kind == "return":
@@ -884,11 +935,15 @@ class Run:
                 return self.fail(program.steps, i, e)
         return {"returns": returns, "dynamic": dynamic}
 
-    def call(self, call: CompiledCall, work: float | None) -> list | None:
-        """Run one call step; `work` None: its footprint is not known yet (see `footprint`)."""
-        resolved, kw = call.arguments(self.value, self.params)
-        if work is None:  # its inputs came during the run: check its footprint now
-            work = self.check_footprint(call, resolved, kw)
+    def call(self, call: CompiledCall, checked: tuple | None, ahead: tuple | None) -> list | None:
+        """Run one call step. `checked`: its (new bytes, work), which the check before the
+        run covered; else it is checked now, from `ahead` (worked out after the last recv)
+        or, None too, from its arguments (`check_footprint`)."""
+        resolved, kw = call.arguments(self.s.store.get, self.slots, self.params)
+        if checked is not None:
+            work = checked[1]
+        else:  # its inputs came during the run, or from an op whose data sets its size
+            work = self.check_footprint(call, ahead, resolved, kw)
         if work >= call.threads_matter_from:
             intraop.use_threads_for(work, call.threads_matter_from)
         result = call.run(self.s.rng, resolved, kw)
@@ -943,9 +998,13 @@ class Run:
             return [outs[0], kind, metas, []]
         return None
 
-    def check_footprint(self, call: CompiledCall, args: list, kwargs: dict) -> float:
-        """Check the call's new bytes, scratch and work against the limits; return its work."""
-        footprint = call.footprint(args, kwargs)
+    def check_footprint(
+        self, call: CompiledCall, footprint: tuple | None, args: list, kwargs: dict
+    ) -> float:
+        """Check the call's new bytes, scratch and work (`footprint`, or worked out from its
+        arguments) against the limits; return its work."""
+        if footprint is None:
+            footprint = call.footprint(args, kwargs)
         if footprint is None:  # its output size depends on its data: bounded from that
             footprint = data_dependent_footprint(call.op, args, kwargs)
         made, work = footprint
