@@ -258,14 +258,30 @@ def _integer_division(arg: Arg) -> None:
     )
 
 
+def _least_common_multiple(arg: Arg) -> None:
+    """No int32 or int64 minimum in an lcm: its gcd can come out -1 (|min| is min), and the
+    division by it traps (SIGFPE, with the greatest value as the other)."""
+    a, b = arg("self"), arg("other")
+    dtype = torch.result_type(a, b)
+    if dtype in (torch.int32, torch.int64):
+        least = torch.iinfo(dtype).min
+        if _holds(a, least) or _holds(b, least):
+            raise KernelArgumentRefused(f"refused: lcm of {least} overflows {dtype} (the CPU "
+                                        "traps on it)")  # fmt: skip
+
+
 def _holds(t: Any, value: int) -> bool:
-    """Whether `t` (a tensor or a number) holds `value`: of a tensor, its storage is read
-    (an expanded tensor, read as its logical elements, would be compared billions of times)."""
+    """Whether `t` (a tensor or a number) holds `value`: of a tensor, its storage is read."""
     if not isinstance(t, torch.Tensor):
         return t == value
+    return bool((_stored(t) == value).any())
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """Every element of `t`'s storage, flat: what a check reads of a tensor's values (an
+    expanded tensor, read as its logical elements, would be read billions of times)."""
     storage = t.untyped_storage()
-    flat = t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
-    return bool((flat == value).any())
+    return t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
 
 
 def _antialias_scales(arg: Arg) -> None:
@@ -322,9 +338,14 @@ def _segments(arg: Arg) -> None:
 
 
 def _grid_sampler(arg: Arg) -> None:
-    """Mode numbers that name a mode (others left the result uninitialised: heap bytes)."""
+    """Mode numbers that name a mode (others left the result uninitialised: heap bytes), and
+    in the backward a finite grid (a NaN or infinite one scattered the gradient at an index
+    computed from it: a segfault, pytorch/pytorch#24823)."""
     if arg("interpolation_mode") not in (0, 1, 2) or arg("padding_mode") not in (0, 1, 2):
         raise KernelArgumentRefused("interpolation_mode and padding_mode must be 0, 1 or 2")
+    grid = arg("grid")
+    if arg("grad_output") is not None and not bool(torch.isfinite(_stored(grid)).all()):
+        raise KernelArgumentRefused("the grid of a grid sampler's backward must be finite")
 
 
 def _rrelu_noise(arg: Arg) -> None:
@@ -505,11 +526,13 @@ def _rnn_workspace_bytes(
 
 
 # Ops checked on their values alone: their tensors are read where they lie, never copied.
-VALUES_ONLY = frozenset({"aten::div", "aten::div_"})
+VALUES_ONLY = frozenset({"aten::div", "aten::div_", "aten::lcm", "aten::lcm_"})
 
 CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::div": _integer_division,
     "aten::div_": _integer_division,
+    "aten::lcm": _least_common_multiple,
+    "aten::lcm_": _least_common_multiple,
     "aten::_upsample_bilinear2d_aa": _antialias_scales,
     "aten::_upsample_bilinear2d_aa_backward": _antialias_scales,
     "aten::embedding": _embedding,

@@ -469,11 +469,22 @@ _BATCH_BROADCASTS = frozenset({"aten::cholesky_solve", "aten::linalg_solve_trian
 # --- work: how long an op runs ---------------------------------------------------------------
 
 # Polynomials whose kernels loop as many times as the degree `n` they are given, for each
-# element (one element of degree 4e9 ran for 20 s): charged POLYNOMIAL_STEP_WORK a step,
-# from `n`'s values, so bounded from the real arguments before they run.
-_WORK_FROM_DATA = frozenset({"aten::special_laguerre_polynomial_l",
-                             "aten::special_legendre_polynomial_p"})  # fmt: skip
-POLYNOMIAL_STEP_WORK = 100.0  # a step of the recurrence, ~5 ns (measured), in work units
+# element, at some points (one element of degree 4e9 ran for 20 s): charged
+# POLYNOMIAL_STEP_WORK a step, from `n`'s values, so bounded from the real arguments before
+# they run. (Hermite's give up past a degree of their own.)
+_POLYNOMIALS = frozenset(
+    {"aten::special_laguerre_polynomial_l", "aten::special_legendre_polynomial_p"}
+    | {f"aten::special_{shifted}chebyshev_polynomial_{kind}" for shifted in ("", "shifted_")
+       for kind in "tuvw"}
+)  # fmt: skip
+POLYNOMIAL_STEP_WORK = 100.0  # a step of the recurrence, 1.2-5 ns (measured), in work units
+# matrix_exp squares its scaled matrix once per doubling of its norm: from its values.
+_MATRIX_EXP = "aten::linalg_matrix_exp"
+_WORK_FROM_DATA = _POLYNOMIALS | {_MATRIX_EXP}
+_ATTENTION = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu",
+                        "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})  # fmt: skip
+ATTENTION_SCORE_WORK = 200.0  # a query-key score: its softmax and blocking (~8 ns measured)
+LGAMMA_WORK = 400.0  # an lgamma (~18 ns measured)
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",
              "aten::linear", "aten::addbmm", "aten::einsum"}  # fmt: skip
 # Ops whose every output element takes a pass over the last dimension of its input.
@@ -488,8 +499,10 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     twice: its input's gradient and its weight's), pools a kernel's elements per output,
     distances and margin losses their output times the vectors' length, embedding bags a
     row per index, factorisations and solvers n^3 per matrix, sorts n log n, ops that
-    broadcast their inputs the broadcast elements, mvlgamma its p terms per element, and
-    the polynomials of `_WORK_FROM_DATA` their degree per element."""
+    broadcast their inputs the broadcast elements, mvlgamma its p terms per element, the
+    polynomials of `_POLYNOMIALS` their degree per element, matrix_exp n^3 per squaring (its
+    values set how many), attention its queries times its keys, and an RNN layer its steps
+    times its weights."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
@@ -509,17 +522,28 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
         weight, indices = arg("weight"), arg("indices")
         row = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() else 1
         return max(work, 2.0 * indices.numel() * row if indices is not None else 0.0)
+    if name == _MATRIX_EXP:
+        return max(work, 2.0 * _cubed(inputs[0]) * (_squarings(inputs[0]) + 12))
     if name.startswith(("aten::linalg_", "aten::_linalg_")) or name in _FACTORISATIONS:
         return max(work, max(_cubed(t) for t in inputs))
     if name in _SORTS:
         return max(work, biggest * math.log2(max(2, biggest)))
     if name == "aten::_trilinear":
         return max(work, 2.0 * _trilinear_elements(arg))
-    if name in _WORK_FROM_DATA:
+    if name in _POLYNOMIALS:
         steps = _largest_degree(arg("n"))
         return max(work, POLYNOMIAL_STEP_WORK * steps * max(1, _broadcast_elements(inputs)))
     if name in _MVLGAMMA:
-        return max(work, 2.0 * max(0, int(arg("p"))) * biggest)
+        return max(work, LGAMMA_WORK * max(0, int(arg("p"))) * biggest)
+    if name in _ATTENTION:  # every query against every key, over both vectors' lengths
+        query, key, value = arg("query"), arg("key"), arg("value")
+        scores = query.numel() // max(1, query.shape[-1]) * key.shape[-2]
+        length = query.shape[-1] + value.shape[-1]
+        return max(work, scores * (2.0 * length + ATTENTION_SCORE_WORK))
+    if name.startswith("aten::mkldnn_rnn_layer"):  # each step: its gates' matrix products
+        steps = arg("input").numel() // max(1, arg("input").shape[-1])  # x batch
+        weights = sum(t.numel() for t in inputs if t.dim() == 2)
+        return max(work, 4.0 * steps * weights)
     return max(work, float(_broadcast_elements(inputs)) if name in _BROADCAST_LOSSES else 0.0)
 
 
@@ -533,6 +557,17 @@ def _cubed(t: torch.Tensor) -> float:
         return float(t.numel())
     n, m = sorted(t.shape[-2:])
     return float(math.prod(t.shape[:-2])) * m * n * n
+
+
+def _squarings(t: torch.Tensor) -> float:
+    """How often matrix_exp squares `t`: log2 of its 1-norm (at most n times its largest
+    entry), 1,100 at most (past float64's range)."""
+    if not t.numel():
+        return 0.0
+    most = float(t.abs().amax()) * t.shape[-1]
+    if not math.isfinite(most):
+        return 1100.0
+    return min(1100.0, max(0.0, math.log2(most + 1)))
 
 
 def _largest_degree(n: Any) -> float:

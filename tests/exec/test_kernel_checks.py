@@ -214,6 +214,24 @@ CASES = {
         [torch.tensor([5, -(2**31)], dtype=INT), torch.tensor(-1, dtype=INT)],
         [["aten::div_.Tensor_mode", [Slot(0), Slot(1)], {"rounding_mode": "trunc"}, 1]],
     ),
+    "lcm: the least int64 and the greatest (SIGFPE: its gcd comes out -1)": (
+        [torch.tensor([-(2**63)]), torch.tensor([2**63 - 1])],
+        [["aten::lcm", [Slot(0), Slot(1)], {}, 1]],
+    ),
+    "lcm_: the least int32 and the greatest, in place (SIGFPE)": (
+        [torch.tensor([-(2**31)], dtype=INT), torch.tensor([2**31 - 1], dtype=INT)],
+        [["aten::lcm_", [Slot(0), Slot(1)], {}, 1]],
+    ),
+    "grid_sampler_2d_backward: a NaN grid, border padding (segfault)": (
+        [torch.rand(1, 1, 3, 3), torch.rand(1, 1, 4, 4), torch.full((1, 3, 3, 2), float("nan"))],
+        [["aten::grid_sampler_2d_backward", [Slot(0), Slot(1), Slot(2), 0, 1, False,
+          [True, True]], {}, 2]],
+    ),
+    "grid_sampler_2d_backward: an infinite grid, reflection padding (segfault)": (
+        [torch.rand(1, 1, 3, 3), torch.rand(1, 1, 4, 4), torch.full((1, 3, 3, 2), float("inf"))],
+        [["aten::grid_sampler_2d_backward", [Slot(0), Slot(1), Slot(2), 0, 2, False,
+          [True, True]], {}, 2]],
+    ),
     "_upsample_bilinear2d_aa_backward: a scale of 1e-8 (gigabytes of weights)": (
         [torch.ones(1, 1, 4, 4)],
         [["aten::_upsample_bilinear2d_aa_backward", [Slot(0), [4, 4], [1, 1, 4, 4], False,
@@ -225,9 +243,11 @@ CASES = {
 def test_values_like_those_refused_run_as_in_torch_where_they_are_safe(local_grid):
     # The refusal is for the pairs that trap, not for a tensor that holds both values.
     x, y = torch.tensor([-(2**63), 7, -1]), torch.tensor([3, -1, -(2**63)])
-    got = torch.div(x.send(local_grid.workers[0]), y.send(local_grid.workers[0]),
-                    rounding_mode="trunc")  # fmt: skip
+    px, py = x.send(local_grid.workers[0]), y.send(local_grid.workers[0])
+    got = torch.div(px, py, rounding_mode="trunc")
     assert torch.equal(got.get(), torch.div(x, y, rounding_mode="trunc"))
+    x, y = torch.tensor([12, -(2**63) + 1, 0]), torch.tensor([18, 2**63 - 1, 5])
+    assert torch.equal(torch.lcm(x.send(local_grid.workers[0]), y).get(), torch.lcm(x, y))
     # An antialiased resize by a scale factor passes that scale to its kernels: allowed.
     image = torch.randn(1, 1, 9, 9, requires_grad=True)
     p = gg.send(image.detach(), local_grid.workers[0]).requires_grad_(True)

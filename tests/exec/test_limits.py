@@ -93,20 +93,66 @@ def test_a_program_clearly_over_the_time_limit_is_refused_before_it_runs():
         assert grid.stats()["workers"]["w0"]["ops_run"] == 0
 
 
-@pytest.mark.parametrize("op", ["laguerre_polynomial_l", "legendre_polynomial_p"])
-def test_a_polynomial_of_huge_degree_is_refused_before_it_runs(op):
-    # Their kernels loop `n` times for each element: one element of degree 1e9 ran for 5 s
-    # (4e9: 20 s; 1e12: hours, in a kernel nothing stops) on an estimate of one element.
+@pytest.mark.parametrize(
+    "op, at",
+    [("laguerre_polynomial_l", 0.5), ("legendre_polynomial_p", 0.5),
+     ("chebyshev_polynomial_t", 1 + 2**-52), ("shifted_chebyshev_polynomial_w", -1e-17)],
+)  # fmt: skip
+def test_a_polynomial_of_huge_degree_is_refused_before_it_runs(op, at):
+    # Their kernels loop `n` times for each element (at these points): one element of
+    # degree 1e9 ran for 1-5 s (1e12: hours, in a kernel nothing stops) on an estimate of
+    # one element.
     with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
-        x = torch.tensor([0.5], dtype=torch.float64).send(grid.workers[0])
+        x = torch.tensor([at], dtype=torch.float64).send(grid.workers[0])
         n = torch.tensor([1e9], dtype=torch.float64).send(grid.workers[0])
         with pytest.raises(gg.RemoteError, match=r"would run for about \d+ s, over the request"):
             getattr(torch.special, op)(x, n).get()
         assert grid.stats()["workers"]["w0"]["ops_run"] == 0
         low = torch.tensor([3.0, 5.0], dtype=torch.float64)  # honest degrees run as in torch
-        want = getattr(torch.special, op)(torch.tensor([0.5, 0.5], dtype=torch.float64), low)
+        want = getattr(torch.special, op)(torch.tensor([at, at], dtype=torch.float64), low)
         got = getattr(torch.special, op)(x.expand(2), low.send(grid.workers[0])).get()
         assert torch.equal(got, want)
+
+
+def test_matrix_exp_is_charged_a_product_per_squaring_its_values_need():
+    # matrix_exp squares once per doubling of its matrix's norm: entries of 1e300 made a
+    # 512 x 512 one run 42 times as long as a normal one, past what its shape was charged.
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
+        huge = torch.full((256, 256), 1e300, dtype=torch.float64).send(grid.workers[0])
+        with pytest.raises(gg.RemoteError, match=r"would run for about \d+ s, over the request"):
+            torch.linalg.matrix_exp(huge).get()
+        m = torch.randn(256, 256, dtype=torch.float64) / 16  # an ordinary one runs as in torch
+        got = torch.linalg.matrix_exp(m.send(grid.workers[0])).get()
+        assert torch.allclose(got, torch.linalg.matrix_exp(m))
+
+
+def test_attention_and_rnn_layers_are_charged_their_steps():
+    # Attention's work grows with queries x keys, an RNN layer's with its steps: inputs
+    # expanded from one number (4 bytes) ran for seconds (minutes, at larger sizes) on an
+    # estimate linear in their elements.
+    with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
+        peer = Peer(grid)
+        tensors = [torch.ones(1, 1, 1, 1), torch.zeros(1, 1), torch.zeros(4096, 1),
+                   torch.zeros(4096, 1024), torch.zeros(4096), torch.ones(1, 1, 1)]  # fmt: skip
+        put = {"kind": "put", "values": [[i + 1, t] for i, t in enumerate(tensors)]}
+        assert peer.request("w0", put)["ok"]
+        q = hostile.call("aten::expand", [Slot(0), [1, 1, 65536, 1]], [5])
+        attention = hostile.call("aten::_scaled_dot_product_flash_attention_for_cpu",
+                                 [Slot(5), Slot(5), Slot(5)], [6, 7])  # fmt: skip
+        reply = peer.request("w0", run([q, attention], [1, 2, 3, 4, 5, 10, 11, 12]))
+        assert not reply["ok"] and "max_request_seconds" in reply["error"]["message"], reply
+        x = hostile.call("aten::expand", [Slot(0), [100000, 1, 1]], [5])
+        hidden = hostile.call("aten::expand", [Slot(1), [1, 1024]], [6])
+        lstm = hostile.call("aten::mkldnn_rnn_layer", [Slot(5), Slot(2), Slot(3), Slot(4),
+                            Slot(4), Slot(6), Slot(6), False, [], 2, 1024, 1, True, False,
+                            False, False], [7, 8, 9, 10])  # fmt: skip
+        reply = peer.request("w0", run([x, hidden, lstm], [6, 2, 3, 4, 5, 20, 21, 22, 23, 24, 25],
+                                       run_id=2))  # fmt: skip
+        assert not reply["ok"] and "max_request_seconds" in reply["error"]["message"], reply
+        q = torch.randn(1, 2, 8, 4)  # honest ones run as in torch
+        p = q.send(grid.workers[0])
+        got = torch.nn.functional.scaled_dot_product_attention(p, p, p).get()
+        assert torch.allclose(got, torch.nn.functional.scaled_dot_product_attention(q, q, q))
 
 
 def test_mvlgamma_of_a_huge_dimension_is_charged_what_it_allocates():
