@@ -336,6 +336,8 @@ _CONVOLUTIONS = frozenset({"aten::convolution", "aten::convolution_backward"})
 _COPYING_REDUCTIONS = frozenset({"aten::aminmax", "aten::count_nonzero", "aten::logsumexp",
                                  "aten::max", "aten::min"})  # fmt: skip
 _MVLGAMMA = frozenset({"aten::mvlgamma", "aten::mvlgamma_"})
+_FFTS = frozenset({"aten::_fft_r2c", "aten::_fft_c2c", "aten::_fft_c2r"})
+FFT_WORK = 200.0  # per element and halving (n log2 n; a prime length: 92-187 ns an element)
 
 
 def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], arg: Any) -> int:
@@ -359,6 +361,7 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                                      solvers over their broadcast batch), unfolds them (a
                                      convolution's columns, `_trilinear`'s outer product) or
                                      counts rows (embedding backward, scale_grad_by_freq)
+                                     or transforms them (an FFT: 12 values per element)
     """
     name = op._schema.name
     width = max((t.element_size() for t in inputs + outputs), default=1)
@@ -381,6 +384,8 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         scratch += _batch_broadcast_elements(inputs) * width
     elif name == "aten::_trilinear":
         scratch += 2 * _trilinear_elements(arg) * width
+    elif name in _FFTS:  # a prime length takes Bluestein's: 58-76 B per float32 element
+        scratch += 12 * width * max(t.numel() for t in inputs + outputs)
     if arg("scale_grad_by_freq") and isinstance(arg("num_weights"), int):
         scratch += 8 * max(0, arg("num_weights"))  # a count per row
     return scratch
@@ -500,7 +505,8 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     distances and margin losses their output times the vectors' length, embedding bags a
     row per index, factorisations and solvers n^3 per matrix, sorts n log n, ops that
     broadcast their inputs the broadcast elements, mvlgamma its p terms per element, the
-    polynomials of `_POLYNOMIALS` their degree per element, matrix_exp n^3 per squaring (its
+    polynomials of `_POLYNOMIALS` their degree per element, FFTs n log n (a prime length's
+    constant), matrix_exp n^3 per squaring (its
     values set how many), attention its queries times its keys, and an RNN layer its steps
     times its weights."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
@@ -528,6 +534,8 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
         return max(work, max(_cubed(t) for t in inputs))
     if name in _SORTS:
         return max(work, biggest * math.log2(max(2, biggest)))
+    if name in _FFTS:
+        return max(work, FFT_WORK * biggest * math.log2(max(2, biggest)))
     if name == "aten::_trilinear":
         return max(work, 2.0 * _trilinear_elements(arg))
     if name in _POLYNOMIALS:

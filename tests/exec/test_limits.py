@@ -126,6 +126,17 @@ def test_matrix_exp_is_charged_a_product_per_squaring_its_values_need():
         assert torch.allclose(got, torch.linalg.matrix_exp(m))
 
 
+def test_an_fft_of_a_prime_length_is_charged_its_scratch():
+    # A prime length takes Bluestein's algorithm: an rfft of 10,000,019 floats held 760 MB
+    # and ran 1.9 s, charged 120-160 MB and 0.5 ms.
+    with gg.local_grid(1, limits=Limits(max_client_memory=64 * MiB)) as grid:
+        x = torch.randn(2_000_003).send(grid.workers[0])  # 8 MB; the rfft needed 116 MB more
+        with pytest.raises(gg.RemoteError, match="max_client_memory"):
+            torch.fft.rfft(x).get()
+        small = torch.randn(1001)  # ordinary ones run as in torch
+        assert torch.equal(torch.fft.rfft(small.send(grid.workers[0])).get(), torch.fft.rfft(small))
+
+
 def test_attention_and_rnn_layers_are_charged_their_steps():
     # Attention's work grows with queries x keys, an RNN layer's with its steps: inputs
     # expanded from one number (4 bytes) ran for seconds (minutes, at larger sizes) on an
