@@ -58,3 +58,12 @@ def tensors_in(*values: Any) -> list[torch.Tensor]:
 
     walk(values)
     return found
+
+
+def stored_values(t: torch.Tensor) -> torch.Tensor:
+    """Every element of `t`'s storage, flat, in its dtype (a negated view's bit not applied):
+    what a check reads of a tensor's values. An expanded tensor, read as its logical
+    elements, would be read (or copied) billions of times; its storage is what its client
+    holds, and is charged for."""
+    storage = t.untyped_storage()
+    return t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import Arg, argument_reader
+from gridgraph.exec.arguments import Arg, argument_reader, stored_values
 
 
 class KernelArgumentRefused(ValueError):
@@ -230,8 +230,7 @@ def _layer_norm_backward(arg: Arg) -> None:
 
 # --- arithmetic ------------------------------------------------------------------------------
 
-# Pairs of elements compared one to one up to this many (broadcast); past it, any trapping
-# value in each argument is refused (the comparison would allocate a byte per element).
+# Pairs of elements compared one to one at a time, at most (broadcast): a byte each.
 PAIRS_COMPARED = 1 << 22
 
 
@@ -246,12 +245,10 @@ def _integer_division(arg: Arg) -> None:
     if dtype not in (torch.int32, torch.int64):
         return
     least = torch.iinfo(dtype).min
-    if not (_holds(dividend, least) and _holds(divisor, -1)):
+    if not (_holds(dividend, least, dtype) and _holds(divisor, -1, dtype)):
         return
-    pairs = [t for t in (dividend, divisor) if isinstance(t, torch.Tensor)]
-    if math.prod(torch.broadcast_shapes(*(t.shape for t in pairs))) <= PAIRS_COMPARED:
-        if not bool(((dividend == least) & (divisor == -1)).any()):
-            return
+    if not _meet(dividend, least, divisor, -1, dtype):
+        return
     raise KernelArgumentRefused(
         f"refused: trunc division of {least} by -1 overflows {dtype} (the CPU traps it); "
         "rounding_mode='floor' gives the wrapped result"
@@ -265,23 +262,43 @@ def _least_common_multiple(arg: Arg) -> None:
     dtype = torch.result_type(a, b)
     if dtype in (torch.int32, torch.int64):
         least = torch.iinfo(dtype).min
-        if _holds(a, least) or _holds(b, least):
+        if _holds(a, least, dtype) or _holds(b, least, dtype):
             raise KernelArgumentRefused(f"refused: lcm of {least} overflows {dtype} (the CPU "
                                         "traps on it)")  # fmt: skip
 
 
-def _holds(t: Any, value: int) -> bool:
-    """Whether `t` (a tensor or a number) holds `value`: of a tensor, its storage is read."""
+def _holds(t: Any, value: int, dtype: torch.dtype) -> bool:
+    """Whether `t` (a tensor or a number) may hold `value` once cast to `dtype`, as the op
+    computes (a 0-dim int64 or a Python int of 2**32 - 1 is -1 in int32): of a tensor, every
+    value its storage holds, negated for a negated view."""
     if not isinstance(t, torch.Tensor):
-        return t == value
-    return bool((_stored(t) == value).any())
+        return bool(torch.tensor(t).to(dtype) == value)
+    stored = stored_values(t)
+    return bool(((-stored if t.is_neg() else stored).to(dtype) == value).any())
 
 
-def _stored(t: torch.Tensor) -> torch.Tensor:
-    """Every element of `t`'s storage, flat: what a check reads of a tensor's values (an
-    expanded tensor, read as its logical elements, would be read billions of times)."""
-    storage = t.untyped_storage()
-    return t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+def _meet(a: Any, value_a: int, b: Any, value_b: int, dtype: torch.dtype) -> bool:
+    """Whether `a` holds `value_a` where `b`, broadcast with it, holds `value_b` (in `dtype`),
+    compared PAIRS_COMPARED at a time along the first dimension; a single row longer than
+    that counts as a meeting (refused rather than compared whole)."""
+    a, b = (torch.tensor(x) if not isinstance(x, torch.Tensor) else x for x in (a, b))
+    a, b = torch.broadcast_tensors(a.to(dtype), b.to(dtype))
+    if a.dim() == 0:
+        return bool(a == value_a) and bool(b == value_b)
+    row = a[0].numel()
+    if row > PAIRS_COMPARED:
+        return True
+    step = max(1, PAIRS_COMPARED // max(1, row))
+    for i in range(0, a.shape[0], step):
+        if bool(((a[i : i + step] == value_a) & (b[i : i + step] == value_b)).any()):
+            return True
+    return False
+
+
+def _within(t: torch.Tensor, most: float) -> bool:
+    """Whether every value `t`'s storage holds lies within +-`most` (False for a NaN)."""
+    stored = stored_values(t)
+    return not stored.numel() or bool(stored.abs().amax() <= most)
 
 
 def _antialias_scales(arg: Arg) -> None:
@@ -337,15 +354,22 @@ def _segments(arg: Arg) -> None:
         _shaped(arg("grad"), "grad", arg("output").shape)
 
 
+# Grid coordinates (honest ones lie about -1..1) a grid sampler's backward takes at most.
+GRID_MOST = float(1 << 24)
+
+
 def _grid_sampler(arg: Arg) -> None:
     """Mode numbers that name a mode (others left the result uninitialised: heap bytes), and
-    in the backward a finite grid (a NaN or infinite one scattered the gradient at an index
-    computed from it: a segfault, pytorch/pytorch#24823)."""
+    in the backward a grid within +-GRID_MOST (a NaN or infinite one, or a finite one that
+    overflows once scaled to pixels, 1.8e38 at a width of 4, scattered the gradient at an
+    index computed from it: a segfault, pytorch/pytorch#24823)."""
     if arg("interpolation_mode") not in (0, 1, 2) or arg("padding_mode") not in (0, 1, 2):
         raise KernelArgumentRefused("interpolation_mode and padding_mode must be 0, 1 or 2")
     grid = arg("grid")
-    if arg("grad_output") is not None and not bool(torch.isfinite(_stored(grid)).all()):
-        raise KernelArgumentRefused("the grid of a grid sampler's backward must be finite")
+    if arg("grad_output") is not None and not _within(grid, GRID_MOST):
+        raise KernelArgumentRefused(
+            f"the grid of a grid sampler's backward must lie within +-{GRID_MOST:g}"
+        )
 
 
 def _rrelu_noise(arg: Arg) -> None:

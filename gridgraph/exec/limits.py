@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import argument_reader, tensors_in
+from gridgraph.exec.arguments import argument_reader, stored_values, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30
@@ -572,10 +572,23 @@ def _squarings(t: torch.Tensor) -> float:
     entry), 1,100 at most (past float64's range)."""
     if not t.numel():
         return 0.0
-    most = float(t.abs().amax()) * t.shape[-1]
+    most = _magnitude(t) * t.shape[-1]
     if not math.isfinite(most):
         return 1100.0
     return min(1100.0, max(0.0, math.log2(most + 1)))
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    """The largest absolute value `t`'s storage holds (an expanded tensor is read as what
+    its client holds, not its logical elements; inf for a NaN)."""
+    stored = stored_values(t)
+    if not stored.numel():
+        return 0.0
+    if stored.is_complex():
+        most = float(stored.abs().amax())
+    else:
+        most = max(float(stored.amax()), -float(stored.amin()))
+    return math.inf if math.isnan(most) else most
 
 
 def _largest_degree(n: Any) -> float:
@@ -584,7 +597,7 @@ def _largest_degree(n: Any) -> float:
     if isinstance(n, torch.Tensor):
         if n.dtype == torch.bool or not n.numel():
             return float(n.numel() > 0)
-        n = float(n.abs().amax())
+        n = _magnitude(n)
     n = abs(float(n))
     return 0.0 if math.isnan(n) else min(n, 2.0**63)
 

@@ -117,6 +117,10 @@ SESSION_ENDED = RequestError(
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
+# The longest session id a client may choose (a client's are 12 characters): each is kept
+# as part of its session's key, in `sessions` and `ended`.
+MAX_SESSION_ID = 64
+MAX_CLIENT_KEY = 1024  # identity (an IPFS one is ~110 characters) / session id
 # Ended sessions remembered (see `ended` above): per peer, and peers, the latest ones.
 ENDED_KEPT = 64
 ENDED_PEERS = 1024
@@ -213,6 +217,11 @@ class Worker:
             return
         arrived = time.monotonic()
         key, owner = _client_key(sender, msg), self.transport.owner(sender)
+        if len(key) > len(sender) + 1 + MAX_SESSION_ID:
+            if self._refusals.allow(owner):
+                error = f"a session id has at most {MAX_SESSION_ID} characters"
+                self._refuse(reply_to, rid, RequestError(error))
+            return
         try:
             session = self._session(key, owner, create=msg["kind"] != "bye")
         except (RequestError, LimitExceeded) as e:
@@ -382,6 +391,8 @@ class Worker:
                 raise TypeError("no value ids")
             key = (int(msg["run"]), int(values[0]), str(msg["src"]))
             client = str(msg["client"])
+            if len(client) > MAX_CLIENT_KEY:
+                raise ValueError("a client key too long")
         except (KeyError, TypeError, ValueError):
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
             return

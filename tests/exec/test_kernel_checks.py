@@ -214,6 +214,32 @@ CASES = {
         [torch.tensor([5, -(2**31)], dtype=INT), torch.tensor(-1, dtype=INT)],
         [["aten::div_.Tensor_mode", [Slot(0), Slot(1)], {"rounding_mode": "trunc"}, 1]],
     ),
+    "div: -1 as a negated view of 1 (SIGFPE)": (
+        [torch.tensor([-(2**31)] * 4, dtype=INT), torch.tensor([1] * 4, dtype=INT)],
+        [["aten::_neg_view", [Slot(1)], {}, 1],
+         ["aten::div.Tensor_mode", [Slot(0), Slot(2)], {"rounding_mode": "trunc"}, 1]],
+    ),
+    "div: an int64 0-dim divisor of 2**32 - 1, -1 in int32 (SIGFPE)": (
+        [torch.tensor([-(2**31)] * 4, dtype=INT), torch.tensor(2**32 - 1)],
+        [["aten::div.Tensor_mode", [Slot(0), Slot(1)], {"rounding_mode": "trunc"}, 1]],
+    ),
+    "div: an int64 0-dim dividend of 2**31, the least int32 (SIGFPE)": (
+        [torch.tensor(2**31), torch.tensor([-1] * 4, dtype=INT)],
+        [["aten::div.Tensor_mode", [Slot(0), Slot(1)], {"rounding_mode": "trunc"}, 1]],
+    ),
+    "div: a Python divisor of 2**32 - 1, -1 in int32 (SIGFPE)": (
+        [torch.tensor([-(2**31)] * 4, dtype=INT)],
+        [["aten::div.Tensor_mode", [Slot(0), 2**32 - 1], {"rounding_mode": "trunc"}, 1]],
+    ),
+    "lcm: an int64 0-dim 2**31, the least int32 (SIGFPE)": (
+        [torch.tensor(2**31), torch.tensor([2**31 - 1], dtype=INT)],
+        [["aten::lcm", [Slot(0), Slot(1)], {}, 1]],
+    ),
+    "grid_sampler_2d_backward: a finite grid that overflows in pixels (segfault)": (
+        [torch.rand(1, 1, 3, 3), torch.rand(1, 1, 4, 4), torch.full((1, 3, 3, 2), 3.4e38)],
+        [["aten::grid_sampler_2d_backward", [Slot(0), Slot(1), Slot(2), 0, 2, False,
+          [True, True]], {}, 2]],
+    ),
     "lcm: the least int64 and the greatest (SIGFPE: its gcd comes out -1)": (
         [torch.tensor([-(2**63)]), torch.tensor([2**63 - 1])],
         [["aten::lcm", [Slot(0), Slot(1)], {}, 1]],
@@ -246,6 +272,12 @@ def test_values_like_those_refused_run_as_in_torch_where_they_are_safe(local_gri
     px, py = x.send(local_grid.workers[0]), y.send(local_grid.workers[0])
     got = torch.div(px, py, rounding_mode="trunc")
     assert torch.equal(got.get(), torch.div(x, y, rounding_mode="trunc"))
+    big = torch.full((3000, 3000), 7, dtype=INT)  # past the pairs compared at once
+    big[0, 0], small = -(2**31), torch.full((3000, 3000), 3, dtype=INT)
+    small[5, 5] = -1
+    got = torch.div(big.send(local_grid.workers[0]), small.send(local_grid.workers[0]),
+                    rounding_mode="trunc")  # fmt: skip
+    assert torch.equal(got.get(), torch.div(big, small, rounding_mode="trunc"))
     x, y = torch.tensor([12, -(2**63) + 1, 0]), torch.tensor([18, 2**63 - 1, 5])
     assert torch.equal(torch.lcm(x.send(local_grid.workers[0]), y).get(), torch.lcm(x, y))
     # An antialiased resize by a scale factor passes that scale to its kernels: allowed.

@@ -29,7 +29,7 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import ENDED_KEPT, RESENDS, worker_topic
+from gridgraph.exec.worker import ENDED_KEPT, MAX_SESSION_ID, RESENDS, worker_topic
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30
@@ -252,6 +252,18 @@ def test_another_peers_churn_does_not_make_a_worker_forget_why_my_session_ended(
         ended = grid.local_workers[0].ended
         assert ended.why("churn", "churn/s0") is None  # the churner's oldest were dropped
         assert ended.why("churn", f"churn/s{2 * ENDED_KEPT}") is not None
+
+
+def test_a_session_id_past_its_length_limit_is_refused_and_opens_nothing():
+    # Each session's key is kept (and, once the worker ends it, remembered): ids of 480 KB
+    # held 30 MiB of keys for one peer's 64 ended sessions.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid, "long", session="s" * (MAX_SESSION_ID + 1))
+        reply = peer.request("w0", {"kind": "ping"})
+        assert not reply["ok"] and "session id" in reply["error"]["message"], reply
+        assert not grid.local_workers[0].sessions
+        fits = Peer(grid, "long", session="s" * MAX_SESSION_ID)
+        assert fits.request("w0", {"kind": "ping"})["ok"]
 
 
 def test_transfers_open_sessions_on_their_senders_share_and_the_client_adopts_them():
