@@ -9,6 +9,7 @@ same calls.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -67,3 +68,15 @@ def stored_values(t: torch.Tensor) -> torch.Tensor:
     holds, and is charged for."""
     storage = t.untyped_storage()
     return t.new_empty(0).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+
+
+def stored_magnitude(t: torch.Tensor) -> float:
+    """The largest absolute value `t`'s storage holds (`stored_values`; inf for a NaN)."""
+    stored = stored_values(t)
+    if not stored.numel():
+        return 0.0
+    if stored.is_complex():
+        most = float(stored.abs().amax())
+    else:  # (no copy, as abs() would make)
+        most = max(float(stored.amax()), -float(stored.amin()))
+    return math.inf if math.isnan(most) else most

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import Arg, argument_reader, stored_values
+from gridgraph.exec.arguments import Arg, argument_reader, stored_magnitude, stored_values
 
 
 class KernelArgumentRefused(ValueError):
@@ -295,12 +295,6 @@ def _meet(a: Any, value_a: int, b: Any, value_b: int, dtype: torch.dtype) -> boo
     return False
 
 
-def _within(t: torch.Tensor, most: float) -> bool:
-    """Whether every value `t`'s storage holds lies within +-`most` (False for a NaN)."""
-    stored = stored_values(t)
-    return not stored.numel() or bool(stored.abs().amax() <= most)
-
-
 def _antialias_scales(arg: Arg) -> None:
     """Scales that the sizes could come from: an antialiased resize reads 1/scale input
     pixels for each output pixel, from weight tables of that size (a 4x4 gradient with
@@ -366,7 +360,7 @@ def _grid_sampler(arg: Arg) -> None:
     if arg("interpolation_mode") not in (0, 1, 2) or arg("padding_mode") not in (0, 1, 2):
         raise KernelArgumentRefused("interpolation_mode and padding_mode must be 0, 1 or 2")
     grid = arg("grid")
-    if arg("grad_output") is not None and not _within(grid, GRID_MOST):
+    if arg("grad_output") is not None and not stored_magnitude(grid) <= GRID_MOST:
         raise KernelArgumentRefused(
             f"the grid of a grid sampler's backward must lie within +-{GRID_MOST:g}"
         )

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import argument_reader, stored_values, tensors_in
+from gridgraph.exec.arguments import argument_reader, stored_magnitude, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
 
 GiB = 1 << 30
@@ -366,8 +366,8 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     name = op._schema.name
     width = max((t.element_size() for t in inputs + outputs), default=1)
     if name in _MVLGAMMA:  # p terms per element, and a range of p (they sum to the result)
-        p = max(0, int(arg("p")))
-        return p * (1 + sum(t.numel() for t in inputs)) * width + sum(t.numel() for t in inputs)
+        p, elements = max(0, int(arg("p"))), sum(t.numel() for t in inputs)
+        return p * (1 + elements) * width + elements
     if name in _COPYING_REDUCTIONS:
         return sum(t.numel() * max(8, width) for t in inputs)
     if name in _LAYOUTS or torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags:
@@ -506,9 +506,8 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     row per index, factorisations and solvers n^3 per matrix, sorts n log n, ops that
     broadcast their inputs the broadcast elements, mvlgamma its p terms per element, the
     polynomials of `_POLYNOMIALS` their degree per element, FFTs n log n (a prime length's
-    constant), matrix_exp n^3 per squaring (its
-    values set how many), attention its queries times its keys, and an RNN layer its steps
-    times its weights."""
+    constant), matrix_exp n^3 per squaring (its values set how many), attention its
+    queries times its keys, and an RNN layer its steps times its weights."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
@@ -572,23 +571,10 @@ def _squarings(t: torch.Tensor) -> float:
     entry), 1,100 at most (past float64's range)."""
     if not t.numel():
         return 0.0
-    most = _magnitude(t) * t.shape[-1]
+    most = stored_magnitude(t) * t.shape[-1]
     if not math.isfinite(most):
         return 1100.0
     return min(1100.0, max(0.0, math.log2(most + 1)))
-
-
-def _magnitude(t: torch.Tensor) -> float:
-    """The largest absolute value `t`'s storage holds (an expanded tensor is read as what
-    its client holds, not its logical elements; inf for a NaN)."""
-    stored = stored_values(t)
-    if not stored.numel():
-        return 0.0
-    if stored.is_complex():
-        most = float(stored.abs().amax())
-    else:
-        most = max(float(stored.amax()), -float(stored.amin()))
-    return math.inf if math.isnan(most) else most
 
 
 def _largest_degree(n: Any) -> float:
@@ -597,7 +583,7 @@ def _largest_degree(n: Any) -> float:
     if isinstance(n, torch.Tensor):
         if n.dtype == torch.bool or not n.numel():
             return float(n.numel() > 0)
-        n = _magnitude(n)
+        n = stored_magnitude(n)
     n = abs(float(n))
     return 0.0 if math.isnan(n) else min(n, 2.0**63)
 

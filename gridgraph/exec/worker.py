@@ -217,7 +217,8 @@ class Worker:
             return
         arrived = time.monotonic()
         key, owner = _client_key(sender, msg), self.transport.owner(sender)
-        if len(key) > len(sender) + 1 + MAX_SESSION_ID:
+        session_id = msg.get("session")  # (the key's own part; one not a string is no part)
+        if isinstance(session_id, str) and len(session_id) > MAX_SESSION_ID:
             if self._refusals.allow(owner):
                 error = f"a session id has at most {MAX_SESSION_ID} characters"
                 self._refuse(reply_to, rid, RequestError(error))
@@ -429,7 +430,7 @@ class Worker:
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
         if not session.deliver(key, sender, payload, stray) and stray:
-            self.stray.release(owner, len(payload) + TRANSFER_BYTES)
+            self._release_stray(sender, len(payload) + TRANSFER_BYTES)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
