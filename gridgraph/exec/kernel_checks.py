@@ -123,6 +123,11 @@ def _bags(arg: Arg, indices_high: int, bags: int | None) -> None:
     if _numel(offset2bag) not in (0, _numel(indices)):
         raise KernelArgumentRefused("offset2bag must name one bag per index")
     _in_range(offset2bag, "offset2bag", bags)
+    if _numel(offset2bag) == 0 and isinstance(offsets, torch.Tensor):
+        # The backward kernels then rebuild offset2bag from offsets: one bag per offset
+        # that starts within the indices, each a row of the gradient they read.
+        if int((offsets < _numel(indices)).sum()) > bags:
+            raise KernelArgumentRefused("offsets start more bags than grad has rows")
     if arg("bag_size") is not None and _numel(arg("bag_size")) != bags:
         raise KernelArgumentRefused("bag_size must hold one size per bag")
 
@@ -435,20 +440,27 @@ def _ldl_pivots(arg: Arg) -> None:
                 raise KernelArgumentRefused("pivots open a 2 x 2 block they do not close")
 
 
-def _distance_backward(arg: Arg) -> None:
-    """The gradient and the distances shaped as the forward made them."""
-    distances = arg("cdist") if arg("cdist") is not None else arg("pdist")
-    _shaped(arg("grad_output"), "grad_output", distances.shape)
+def _pdist(arg: Arg) -> None:
+    """A matrix of points, as `torch.pdist` gives (the kernels index any other input as
+    one); in the backward, the gradient and the distances shaped as the forward made them."""
+    points = arg("self")
+    if points.dim() != 2:
+        raise KernelArgumentRefused(f"pdist's input must be 2-D, not {points.dim()}-D")
     if arg("pdist") is not None:
-        n = arg("self").shape[0] if arg("self").dim() else 0
-        _sized(distances, "pdist", n * (n - 1) // 2)
-    else:
-        x1, x2 = arg("x1"), arg("x2")
-        try:
-            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
-        except RuntimeError as e:
-            raise KernelArgumentRefused(str(e)) from None
-        _shaped(distances, "cdist", (*batch, x1.shape[-2], x2.shape[-2]))
+        n = points.shape[0]
+        _shaped(arg("grad_output"), "grad_output", arg("pdist").shape)
+        _sized(arg("pdist"), "pdist", n * (n - 1) // 2)
+
+
+def _cdist_backward(arg: Arg) -> None:
+    """The gradient and the distances shaped as the forward made them."""
+    x1, x2, distances = arg("x1"), arg("x2"), arg("cdist")
+    _shaped(arg("grad_output"), "grad_output", distances.shape)
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError as e:
+        raise KernelArgumentRefused(str(e)) from None
+    _shaped(distances, "cdist", (*batch, x1.shape[-2], x2.shape[-2]))
 
 
 def _unfold_backward(arg: Arg) -> None:
@@ -564,6 +576,8 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::max_pool3d_with_indices_backward": _pool_backward(3, True),
     "aten::adaptive_max_pool2d_backward": _pool_backward(2, True),
     "aten::adaptive_max_pool3d_backward": _pool_backward(3, True),
+    "aten::fractional_max_pool2d_backward": _pool_backward(2, True),
+    "aten::fractional_max_pool3d_backward": _pool_backward(3, True),
     "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),
     "aten::_adaptive_avg_pool3d_backward": _pool_backward(3, False),
     "aten::native_batch_norm": _batch_norm,
@@ -586,8 +600,9 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::_ctc_loss": _ctc,
     "aten::_ctc_loss_backward": _ctc,
     "aten::linalg_ldl_solve": _ldl_pivots,
-    "aten::_cdist_backward": _distance_backward,
-    "aten::_pdist_backward": _distance_backward,
+    "aten::_cdist_backward": _cdist_backward,
+    "aten::_pdist_forward": _pdist,
+    "aten::_pdist_backward": _pdist,
     "aten::unfold_backward": _unfold_backward,
     "aten::multi_margin_loss_backward": _multi_margin_backward,
     "aten::mkldnn_rnn_layer": _rnn_layer,

@@ -263,6 +263,37 @@ CASES = {
         [["aten::_upsample_bilinear2d_aa_backward", [Slot(0), [4, 4], [1, 1, 4, 4], False,
           1e-8, 1e-8], {}, 1]],
     ),
+    "_embedding_bag_backward: no offset2bag, more bags than gradient rows (segfault)": (
+        [torch.ones(1, 1), torch.zeros(1 << 20, dtype=LONG), torch.arange(1 << 20),
+         torch.empty(0, dtype=LONG), torch.ones(1, dtype=LONG), torch.empty(0, dtype=LONG)],
+        [["aten::_embedding_bag_backward", [Slot(0), Slot(1), Slot(2), Slot(3), Slot(4),
+          Slot(5), 1, False, 0, False, None, -1], {}, 1]],
+    ),
+    "_embedding_bag_per_sample_weights_backward: no offset2bag, more bags (segfault)": (
+        [torch.ones(1, 1), torch.rand(1, 1), torch.zeros(1 << 20, dtype=LONG),
+         torch.arange(1 << 20), torch.empty(0, dtype=LONG)],
+        [["aten::_embedding_bag_per_sample_weights_backward", [Slot(0), Slot(1), Slot(2),
+          Slot(3), Slot(4), 0, -1], {}, 1]],
+    ),
+    "fractional_max_pool3d_backward: more planes in the input than the gradient (segfault)": (
+        [torch.ones(1, 1, 1, 1, 1), torch.zeros(1 << 22, 1, 1, 1, 1),
+         torch.zeros(1, 1, 1, 1, 1, dtype=LONG)],
+        [["aten::fractional_max_pool3d_backward", [Slot(0), Slot(1), [1, 1, 1], [1, 1, 1],
+          Slot(2)], {}, 1]],
+    ),
+    "fractional_max_pool2d_backward: more planes in the input than the gradient (read)": (
+        [torch.ones(1, 1, 1, 1), torch.zeros(4096, 1, 1, 1), torch.zeros(1, 1, 1, 1, dtype=LONG)],
+        [["aten::fractional_max_pool2d_backward", [Slot(0), Slot(1), [1, 1], [1, 1], Slot(2)],
+          {}, 1]],
+    ),
+    "_pdist_forward: a 3-D input with no columns (segfault)": (
+        [torch.rand(2, 3, 0)],
+        [["aten::_pdist_forward", [Slot(0), 2.0], {}, 1]],
+    ),
+    "_pdist_backward: a 3-D input with no columns (segfault)": (
+        [torch.rand(3), torch.rand(3, 2, 0), torch.rand(3)],
+        [["aten::_pdist_backward", [Slot(0), Slot(1), 2.0, Slot(2)], {}, 1]],
+    ),
 }  # fmt: skip
 
 
