@@ -16,10 +16,11 @@ class PlacementError(GridError):
 
 
 class RemoteError(RuntimeError):
-    """An op failed on a worker.
+    """An op failed on a worker, or the worker refused a whole request.
 
-    `.worker` ran it, `.op` is the ATen op, `.where` is the file:line of the user's code
-    that recorded it and `.remote_traceback` the worker's traceback summary.
+    `.worker` ran it, `.op` is the ATen op ("" for a refused request), `.where` is the
+    file:line of the user's code that recorded it and `.remote_traceback` the worker's
+    traceback summary.
     """
 
     def __init__(
@@ -33,7 +34,11 @@ class RemoteError(RuntimeError):
         self.worker, self.op, self.where = worker, op, where
         self.remote_traceback = remote_traceback
         self.remote_message = message
-        super().__init__(f"{op} failed on worker {worker!r} (recorded at {where}):\n  {message}")
+        if op:
+            headline = f"{op} failed on worker {worker!r} (recorded at {where})"
+        else:
+            headline = f"worker {worker!r} refused the request"
+        super().__init__(f"{headline}:\n  {message}")
 
 
 class WorkerLost(RuntimeError):

@@ -472,7 +472,7 @@ class Client:
                 where = where_of.get(slot, where)
         return RemoteError(
             str(error.get("worker")),
-            str(error.get("op", "?")),
+            str(error.get("op", "")),
             str(error.get("message", "")),
             where,
             str(error.get("traceback", "")),

@@ -490,6 +490,7 @@ _ATTENTION = frozenset({"aten::_scaled_dot_product_flash_attention_for_cpu",
                         "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})  # fmt: skip
 ATTENTION_SCORE_WORK = 200.0  # a query-key score: its softmax and blocking (~8 ns measured)
 LGAMMA_WORK = 400.0  # an lgamma (~18 ns measured)
+RENORM_ROW_WORK = 4e4  # embedding_renorm_: a norm op per distinct index (~2 us measured)
 _PRODUCTS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul",
              "aten::linear", "aten::addbmm", "aten::einsum"}  # fmt: skip
 # Ops whose every output element takes a pass over the last dimension of its input.
@@ -501,13 +502,14 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     """Work of `op`: elements touched, or multiply-adds where it does more than a pass.
 
     Matrix products and convolutions count their multiply-adds (a convolution's backward
-    twice: its input's gradient and its weight's), pools a kernel's elements per output,
+    twice: its input's gradient and its weight's), pools a window's elements per output,
     distances and margin losses their output times the vectors' length, embedding bags a
-    row per index, factorisations and solvers n^3 per matrix, sorts n log n, ops that
-    broadcast their inputs the broadcast elements, mvlgamma its p terms per element, the
-    polynomials of `_POLYNOMIALS` their degree per element, FFTs n log n (a prime length's
-    constant), matrix_exp n^3 per squaring (its values set how many), attention its
-    queries times its keys, and an RNN layer its steps times its weights."""
+    row per index, embedding_renorm_ a norm op per index, factorisations and solvers n^3
+    per matrix, sorts n log n, ops that broadcast their inputs the broadcast elements,
+    mvlgamma its p terms per element, the polynomials of `_POLYNOMIALS` their degree per
+    element, FFTs n log n (a prime length's constant), matrix_exp n^3 per squaring (its
+    values set how many), attention its queries times its keys, and an RNN layer its steps
+    times its weights."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
@@ -518,11 +520,15 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     if name in _CONVOLUTIONS:
         times = 4.0 if name == "aten::convolution_backward" else 2.0
         return max(work, times * _convolution_macs(arg("input"), arg("weight"), outputs, arg))
-    if "pool" in name and isinstance(arg("kernel_size"), (list, tuple)):
-        return max(work, 2.0 * biggest * math.prod(int(k) for k in arg("kernel_size")))
+    if "pool" in name and outputs:  # per pooled element (a backward's: its gradient's)
+        pooled = arg("grad_output") if arg("grad_output") is not None else outputs[0]
+        return max(work, 2.0 * pooled.numel() * _pool_window(name, arg))
     if name in _DISTANCES or name.startswith("aten::multilabel_margin_loss"):
-        length = max(t.shape[-1] if t.dim() else 1 for t in inputs)
-        return max(work, 2.0 * biggest * length)
+        vectors = arg("self") if arg("self") is not None else arg("x1")  # (not the gradient)
+        return max(work, 2.0 * biggest * (vectors.shape[-1] if vectors.dim() else 1))
+    if name == "aten::embedding_renorm_":
+        indices = arg("indices")
+        return max(work, RENORM_ROW_WORK * indices.numel() if indices is not None else 0.0)
     if name.startswith("aten::_embedding_bag"):
         weight, indices = arg("weight"), arg("indices")
         row = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() else 1
@@ -552,6 +558,24 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
         weights = sum(t.numel() for t in inputs if t.dim() == 2)
         return max(work, 4.0 * steps * weights)
     return max(work, float(_broadcast_elements(inputs)) if name in _BROADCAST_LOSSES else 0.0)
+
+
+def _pool_window(name: str, arg: Any) -> int:
+    """Input elements a pool reads for each output element: its kernel's (one number is the
+    size in every spatial dimension: `[64]` reads 64 x 64 in 2-D), or an adaptive pool's
+    widest window, ceil(in / out) + 1 in each dimension."""
+    spatial = 3 if "3d" in name else 2
+    kernel = arg("kernel_size")
+    if kernel is not None:
+        sizes = [kernel] if isinstance(kernel, int) else list(kernel)
+        return math.prod(max(0, int(k)) for k in (sizes * spatial if len(sizes) == 1 else sizes))
+    if "adaptive" not in name:  # (max_unpool: an element each)
+        return 1
+    input, out = arg("self"), arg("output_size")
+    if out is None:  # (a backward: its gradient is shaped as the output)
+        out = arg("grad_output").shape[-spatial:]
+    return math.prod(-(-int(i) // max(1, int(o))) + 1
+                     for i, o in zip(input.shape[-spatial:], out))  # fmt: skip
 
 
 _FACTORISATIONS = {"aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",

@@ -88,7 +88,8 @@ def test_a_program_clearly_over_the_time_limit_is_refused_before_it_runs():
         x = torch.ones(1).send(grid.workers[0])
         with gg.trace():  # 200 bytes to send, hours to run
             total = x.expand(10**6, 10**7).sum()
-        with pytest.raises(gg.RemoteError, match=r"time limit of 10 s"):
+        refused = r"^worker 'w0' refused the request:\n.*time limit of 10 s"  # (not "? failed")
+        with pytest.raises(gg.RemoteError, match=refused):
             total.get()
         assert grid.stats()["workers"]["w0"]["ops_run"] == 0
 
@@ -955,19 +956,47 @@ def test_scratch_past_the_inputs_own_sizes_is_refused_before_it_runs(case):
         _refused_before_it_runs(grid, steps, slots[:4] if len(values) == 1 else slots, 0)
 
 
-def test_a_pool_is_checked_against_the_time_limit_by_its_kernels_elements():
-    # A 512 x 512 window over a 1024 x 1024 expanded image: 2.7 x 10^11 additions, 30 s,
-    # taken for 10^6 (its largest tensor) under a 1 s limit.
-    limits = Limits(max_client_memory=None, max_request_seconds=1)
+@pytest.mark.parametrize(
+    "shape, pool",
+    [  # A 512 x 512 window over a 1024 x 1024 expanded image: 2.7 x 10^11 additions, 30 s,
+        # taken for 10^6 (its largest tensor) under a 0.2 s limit.
+        ([1, 1, 1024, 1024], ["aten::avg_pool2d.default", [512, 512], [1, 1]]),
+        # The same window given as one number (a size in every dimension): taken for 512.
+        ([1, 1, 1024, 1024], ["aten::avg_pool2d.default", [512], [1]]),
+        ([1, 1, 256, 256, 256], ["aten::max_pool3d_with_indices.default", [96], [1]]),
+        # An adaptive pool's windows overlap: 27 elements each (3 s), taken for one (0.05 s).
+        ([1, 1, 1024, 1024, 1024], ["aten::_adaptive_avg_pool3d.default", [600, 600, 600]]),
+    ],
+)  # fmt: skip
+def test_a_pool_is_checked_against_the_time_limit_by_its_windows_elements(shape, pool):
+    limits = Limits(max_client_memory=None, max_request_seconds=0.2)
     with gg.local_grid(1, limits=limits) as grid:
         assert Peer(grid).request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]})["ok"]
-        steps = [
-            _expanded(0, [1, 1, 1024, 1024], 1),
-            hostile.call("aten::avg_pool2d.default", [Slot(1), [512, 512], [1, 1]], [2]),
-        ]
+        name, *rest = pool
+        steps = [_expanded(0, shape, 1), hostile.call(name, [Slot(1), *rest], [2])]
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 3]))
         assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+
+
+def test_embedding_renorm_is_charged_a_norm_op_per_index():
+    # It calls a norm op for each distinct index (~2 us each): 10^7 indices ran ~20 s,
+    # taken for 10^7 elements (0.5 ms) under a 1 s limit.
+    limits = Limits(max_client_memory=None, max_request_seconds=1)
+    with gg.local_grid(1, limits=limits) as grid:
+        weight, indices = torch.randn(10**7, 1), torch.randperm(10**7)
+        put = {"kind": "put", "values": [[1, weight], [2, indices]]}
+        assert Peer(grid).request("w0", put)["ok"]
+        renorm = hostile.call("aten::embedding_renorm_.default", [Slot(0), Slot(1), 1.0, 2.0], [2])
+        reply = Peer(grid).request("w0", hostile.run([renorm], [1, 2, 3]))
+        assert not reply["ok"] and "time limit" in reply["error"]["message"], reply
+        honest = torch.randn(10, 3) * 5  # a few rows renormalised run as in torch
+        p = honest.send(grid.workers[0])
+        got = torch.nn.functional.embedding(torch.tensor([1, 4]), p, max_norm=1.0)
+        assert torch.equal(
+            got.get(),
+            torch.nn.functional.embedding(torch.tensor([1, 4]), honest.clone(), max_norm=1.0),
+        )
 
 
 def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
@@ -1021,3 +1050,15 @@ def test_transfers_kept_for_resending_stay_within_the_memory_limit(isolate):
         session = grid.local_workers[0].sessions["mallory/s"]
         assert 0 < len(session.sent) < 12  # the latest kept, as many as fit
         assert session.memory() <= cap
+
+
+def test_pdists_backward_is_charged_by_its_points_length_not_its_gradients():
+    # It was charged its gradient's length (n^2 / 2) per distance: 25 s for the backward of
+    # 1,000 points' distances (3 ms in torch), refused under a 10 s limit.
+    points = torch.randn(1000, 16)
+    with gg.local_grid(1, limits=Limits(max_request_seconds=10)) as grid:
+        p = gg.send(points, grid.workers[0]).requires_grad_(True)
+        (got,) = torch.autograd.grad(torch.nn.functional.pdist(p).sum(), p)
+        want = points.clone().requires_grad_(True)
+        (expected,) = torch.autograd.grad(torch.nn.functional.pdist(want).sum(), want)
+        assert torch.allclose(got.get(), expected)
