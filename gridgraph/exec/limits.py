@@ -360,7 +360,9 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
                                      broadcasts them (losses over their broadcast shape,
                                      solvers over their broadcast batch), unfolds them (a
                                      convolution's columns, `_trilinear`'s outer product) or
-                                     counts rows (embedding backward, scale_grad_by_freq)
+                                     counts rows (embedding backward, scale_grad_by_freq;
+                                     an embedding bag's backward always, 16 B a row),
+                                     pads them (oneDNN's convolutions: channels to 16)
                                      or transforms them (an FFT: 12 values per element)
     """
     name = op._schema.name
@@ -375,9 +377,11 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
     if name in _SORTS:
         return sum(t.numel() * (2 * width + 16) for t in inputs)
     scratch = sum(t.numel() * width for t in inputs)
-    if name in _CONVOLUTIONS and _unfolds_columns(arg("input"), arg("weight")):
+    if name in _CONVOLUTIONS and _unfolds_columns(arg):
         columns = _convolution_macs(arg("input"), arg("weight"), outputs, arg)
         scratch += columns // max(1, arg("weight").shape[0]) * int(arg("groups")) * width
+    elif name in _CONVOLUTIONS:  # oneDNN's copy in its blocked layout, the largest (measured)
+        scratch += max(_blocked_elements(t, arg("weight")) for t in inputs + outputs) * width
     elif name in _BROADCAST_LOSSES:
         scratch += 2 * _broadcast_elements(inputs) * width
     elif name in _BATCH_BROADCASTS:
@@ -386,8 +390,10 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         scratch += 2 * _trilinear_elements(arg) * width
     elif name in _FFTS:  # a prime length takes Bluestein's: 58-76 B per float32 element
         scratch += 12 * width * max(t.numel() for t in inputs + outputs)
-    if arg("scale_grad_by_freq") and isinstance(arg("num_weights"), int):
-        scratch += 8 * max(0, arg("num_weights"))  # a count per row
+    if isinstance(arg("num_weights"), int):  # a count per row (a bag's: two, always)
+        per_row = 16 if name == "aten::_embedding_bag_backward" else 8
+        if per_row == 16 or arg("scale_grad_by_freq"):
+            scratch += per_row * max(0, arg("num_weights"))
     return scratch
 
 
@@ -436,15 +442,43 @@ def _trilinear_elements(arg: Any) -> int:
         return 0
 
 
-def _unfolds_columns(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a convolution takes the path that unfolds its input into columns: oneDNN
-    (float32, bfloat16, float16) does not, past the smallest inputs (measured)."""
-    return not (
-        input.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and input.numel() > 20480
-    )
+# The CPU convolution kernels that unfold their input into columns (im2col); the others
+# (oneDNN's) copy each tensor into a blocked layout instead.
+_COLUMN_BACKENDS = frozenset({"Slow2d", "Slow3d", "SlowDilated2d", "SlowDilated3d",
+                              "SlowTranspose2d", "SlowTranspose3d"})  # fmt: skip
+BLOCK = 16  # oneDNN pads a blocked layout's channels to a multiple of 16 (8 without AVX-512)
+
+
+def _unfolds_columns(arg: Any) -> bool:
+    """Whether a convolution's kernel unfolds its input into columns: torch's own choice of
+    kernel, asked of stand-ins with the arguments' shapes and dtypes that hold one number
+    (it depends on the dtype, the sizes and the number of spatial dimensions: a float32
+    3-D convolution of one channel unfolds, one of 16 does not)."""
+    input, weight = arg("input"), arg("weight")
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+    try:
+        backend = torch._C._select_conv_backend(
+            stand_in(input), stand_in(weight), None, arg("stride"), arg("padding"),
+            arg("dilation"), arg("transposed"), arg("output_padding"), arg("groups"),
+        )  # fmt: skip
+    except (RuntimeError, TypeError, AttributeError):  # (the op will refuse them)
+        return True
+    return backend.name in _COLUMN_BACKENDS
+
+
+def _blocked_elements(t: torch.Tensor, weight: torch.Tensor) -> int:
+    """Elements of `t` in oneDNN's blocked layout: its channels (a weight's output and input
+    channels) padded to a multiple of BLOCK. A 1-channel image takes 16 times its size."""
+    if t.dim() < 3:
+        return t.numel()
+    padded = list(t.shape)
+    channels = (0, 1) if t.shape == weight.shape else (1 if t.dim() == weight.dim() else 0,)
+    for d in channels:
+        padded[d] = -(-padded[d] // BLOCK) * BLOCK
+    return math.prod(padded)
 
 
 def _convolution_macs(input: torch.Tensor, weight: torch.Tensor, outputs: list, arg: Any) -> int:

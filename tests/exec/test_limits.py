@@ -879,6 +879,32 @@ def test_a_convolution_is_charged_the_columns_it_unfolds_its_input_into():
         assert torch.equal(got[0], torch.ops.aten.convolution(small, small_kernel, *rest))
 
 
+@pytest.mark.parametrize(
+    "image, kernel",
+    [  # oneDNN copies a float32 image into a layout with channels padded to 16: one of 1
+        # channel took 1.2 GB, charged 134 MB (a copy of each input).
+        ([1, 1, 4096, 4096], [1, 1, 3, 3]),
+        # A float32 3-D convolution of one channel unfolds columns (torch picks a slow
+        # kernel for it): 271 MB, charged 42 MB.
+        ([1, 1, 128, 128, 128], [4, 1, 3, 3, 3]),
+    ],
+)  # fmt: skip
+def test_a_float32_convolution_is_charged_the_copies_its_kernel_makes(image, kernel):
+    spatial = len(image) - 2
+    rest = [None, [1] * spatial, [1] * spatial, [1] * spatial, False, [0] * spatial, 1]
+    with gg.local_grid(1, limits=Limits(max_client_memory=256 << 20)) as grid:
+        values = [[1, torch.ones(1)], [2, torch.randn(kernel)]]
+        assert Peer(grid).request("w0", {"kind": "put", "values": values})["ok"]
+        convolution = hostile.call("aten::convolution.default", [Slot(2), Slot(1), *rest], [3])
+        steps = [_expanded(0, image, 2), convolution]
+        _refused_before_it_runs(grid, steps, [1, 2, 10, 11], 0)
+        small = torch.randn(image[:2] + [24] * spatial)  # what fits runs as in torch
+        p = gg.send(small, grid.workers[0])
+        weight = torch.randn(kernel)
+        got = torch.ops.aten.convolution(p, gg.send(weight, grid.workers[0]), *rest)
+        assert torch.allclose(got.get(), torch.ops.aten.convolution(small, weight, *rest))
+
+
 def test_a_convolution_is_checked_against_the_time_limit_by_its_multiply_adds():
     # 1 x 2048 x 128 x 128 (expanded from one number) by 2048 x 2048 x 1 x 1: 6.9 x 10^10
     # multiply-adds, taken for 3.4 x 10^7 (its largest tensor), ran 1.4 s under a 0.5 s limit.
@@ -923,6 +949,12 @@ WIDE_SCRATCH = {
         [torch.ones(2048, 0), torch.arange(0, 1 << 24, 1 << 13)],
         [hostile.call("aten::embedding_dense_backward.default",
                       [Slot(0), Slot(1), 1 << 24, -1, True], [2])],
+    ),
+    "_embedding_bag_backward: two counts per row, whatever scale_grad_by_freq says": (
+        [torch.ones(1, 0), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)],
+        [hostile.call("aten::_embedding_bag_backward.default",
+                      [Slot(0), Slot(1), Slot(1), Slot(1), Slot(2), Slot(1), 1 << 22, False, 0,
+                       False, None, -1], [3])],
     ),
     "cholesky_solve: its matrix copied out to the broadcast batch": (
         [torch.eye(64), torch.ones(64, 1, 64, 1)],
