@@ -539,11 +539,11 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     twice: its input's gradient and its weight's), pools a window's elements per output,
     distances and margin losses their output times the vectors' length, embedding bags a
     row per index, embedding_renorm_ a norm op per index, factorisations and solvers n^3
-    per matrix, sorts n log n, ops that broadcast their inputs the broadcast elements,
-    mvlgamma its p terms per element, the polynomials of `_POLYNOMIALS` their degree per
-    element, FFTs n log n (a prime length's constant), matrix_exp n^3 per squaring (its
-    values set how many), attention its queries times its keys, and an RNN layer its steps
-    times its weights."""
+    per matrix, sorts n log n, searches log n per element, ops that broadcast their inputs
+    the broadcast elements, mvlgamma its p terms per element, the polynomials of
+    `_POLYNOMIALS` their degree per element, FFTs n log n (a prime length's constant),
+    matrix_exp n^3 per squaring (its values set how many), attention its queries times its
+    keys, and an RNN layer its steps times its weights."""
     biggest = max((t.numel() for t in inputs + outputs), default=0)
     work = float(biggest)
     name = op._schema.name
@@ -573,6 +573,10 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
         return max(work, max(_cubed(t) for t in inputs))
     if name in _SORTS:
         return max(work, biggest * math.log2(max(2, biggest)))
+    if name in _SEARCHES:  # a binary search of the sequence's last dimension per element
+        sequence = arg("boundaries") if arg("boundaries") is not None else arg("sorted_sequence")
+        length = sequence.shape[-1] if sequence.dim() else 1
+        return max(work, biggest * math.log2(max(2, length)))
     if name in _FFTS:
         return max(work, FFT_WORK * biggest * math.log2(max(2, biggest)))
     if name == "aten::_trilinear":
@@ -612,6 +616,7 @@ def _pool_window(name: str, arg: Any) -> int:
                      for i, o in zip(input.shape[-spatial:], out))  # fmt: skip
 
 
+_SEARCHES = frozenset({"aten::searchsorted", "aten::bucketize"})
 _FACTORISATIONS = {"aten::cholesky_inverse", "aten::cholesky_solve", "aten::geqrf",
                    "aten::ormqr", "aten::triangular_solve", "aten::lu_unpack"}  # fmt: skip
 
