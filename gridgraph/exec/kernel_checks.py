@@ -176,6 +176,19 @@ def _pool_backward(spatial: int, has_indices: bool) -> Callable[[Arg], None]:
     return check
 
 
+def _reflection_pad_backward(arg: Arg) -> None:
+    """Each padding less than its dimension of the input, as the forward requires (the 2-D
+    and 3-D backwards reflected past the input: heap corruption)."""
+    input, pads = arg("self"), [int(p) for p in arg("padding")]
+    for i in range(len(pads) // 2):  # (pairs from the last dimension back)
+        size = input.shape[-1 - i] if input.dim() > i else 0
+        if max(abs(pads[2 * i]), abs(pads[2 * i + 1])) >= size:
+            raise KernelArgumentRefused(
+                f"reflection padding {pads[2 * i : 2 * i + 2]} must be less than the input's "
+                f"dimension of {size}"
+            )
+
+
 # --- normalisation ---------------------------------------------------------------------------
 
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd",
@@ -576,6 +589,11 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::max_pool3d_with_indices_backward": _pool_backward(3, True),
     "aten::adaptive_max_pool2d_backward": _pool_backward(2, True),
     "aten::adaptive_max_pool3d_backward": _pool_backward(3, True),
+    "aten::avg_pool2d_backward": _pool_backward(2, False),
+    "aten::avg_pool3d_backward": _pool_backward(3, False),
+    "aten::reflection_pad1d_backward": _reflection_pad_backward,
+    "aten::reflection_pad2d_backward": _reflection_pad_backward,
+    "aten::reflection_pad3d_backward": _reflection_pad_backward,
     "aten::fractional_max_pool2d_backward": _pool_backward(2, True),
     "aten::fractional_max_pool3d_backward": _pool_backward(3, True),
     "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),

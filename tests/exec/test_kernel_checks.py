@@ -286,6 +286,19 @@ CASES = {
         [["aten::fractional_max_pool2d_backward", [Slot(0), Slot(1), [1, 1], [1, 1], Slot(2)],
           {}, 1]],
     ),
+    "reflection_pad2d_backward: a padding past the input (heap corruption)": (
+        [torch.randn(1, 1, 6, 4), torch.randn(1, 1, 4, 4)],
+        [["aten::reflection_pad2d_backward", [Slot(0), Slot(1), [0, 0, 5, -3]], {}, 1]],
+    ),
+    "reflection_pad3d_backward: a padding past the input (heap corruption)": (
+        [torch.randn(2, 3, 6, 6, 6), torch.randn(2, 3, 4, 4, 4)],
+        [["aten::reflection_pad3d_backward", [Slot(0), Slot(1), [5, -3] * 3], {}, 1]],
+    ),
+    "avg_pool3d_backward: a smaller batch in the gradient than the input (read)": (
+        [torch.ones(1, 1, 2, 2, 2), torch.zeros(4096, 1, 4, 4, 4)],
+        [["aten::avg_pool3d_backward", [Slot(0), Slot(1), [2, 2, 2], [2, 2, 2], [0, 0, 0],
+          False, True, None], {}, 1]],
+    ),
     "_pdist_forward: a 3-D input with no columns (segfault)": (
         [torch.rand(2, 3, 0)],
         [["aten::_pdist_forward", [Slot(0), 2.0], {}, 1]],
