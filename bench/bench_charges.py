@@ -6,7 +6,8 @@ A worker refuses a program before it runs from its charges (gridgraph/exec/limit
 bytes each op makes and its scratch (`op_footprint`, or `data_dependent_footprint`), and its
 work, which a time limit divides by WORK_PER_SECOND. This runs each case below in a child
 process of its own (one intra-op thread, its address space capped at 8 GiB), charges it
-as the worker does (`CompiledCall.footprint`), runs it, and prints side by side:
+as the worker does (`CompiledCall.footprint`), runs it as a worker does (`CompiledCall.run`,
+its kernel checks included), and prints side by side:
   - the charged bytes and the peak growth of the child's resident memory (a ratio over 1
     means the op took more than it was charged: a limit it can slip past);
   - the charged time (work / WORK_PER_SECOND) and the measured time. WORK_PER_SECOND is
@@ -80,8 +81,8 @@ CASES = {
 
 def measure(label: str) -> dict:
     """In this (child) process: charge the case as a worker does, then run it."""
-    from gridgraph.exec.kernel_checks import CHECKS, checked_arguments
     from gridgraph.exec.limits import WORK_PER_SECOND, data_dependent_footprint
+    from gridgraph.exec.ops import RandomState
     from gridgraph.exec.session import CompiledCall
 
     cap = 8 << 30
@@ -91,11 +92,9 @@ def measure(label: str) -> dict:
     args, kwargs = eval(build, {"t": torch})  # (the expressions above, nothing else)
     call = CompiledCall(["call", name, args, kwargs, [0], [], False])
     charged = call.footprint(args, kwargs) or data_dependent_footprint(call.op, args, kwargs)
-    if call.op._schema.name in CHECKS:
-        args, kwargs = checked_arguments(call.op, args, kwargs)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
-    call.op(*args, **kwargs)
+    call.run(RandomState(), args, kwargs)  # as a worker runs it: its kernel checks first
     seconds = time.perf_counter() - start
     grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     return {"bytes": charged[0], "grew": grew, "charged_s": charged[1] / WORK_PER_SECOND,

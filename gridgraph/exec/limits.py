@@ -381,7 +381,8 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         columns = _convolution_macs(arg("input"), arg("weight"), outputs, arg)
         scratch += columns // max(1, arg("weight").shape[0]) * int(arg("groups")) * width
     elif name in _CONVOLUTIONS:  # oneDNN's copy in its blocked layout, the largest (measured)
-        scratch += max(_blocked_elements(t, arg("weight")) for t in inputs + outputs) * width
+        weight = arg("weight")
+        scratch += max(_blocked_elements(t, weight) for t in inputs + outputs) * width
     elif name in _BROADCAST_LOSSES:
         scratch += 2 * _broadcast_elements(inputs) * width
     elif name in _BATCH_BROADCASTS:
@@ -390,10 +391,11 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         scratch += 2 * _trilinear_elements(arg) * width
     elif name in _FFTS:  # a prime length takes Bluestein's: 58-76 B per float32 element
         scratch += 12 * width * max(t.numel() for t in inputs + outputs)
-    if isinstance(arg("num_weights"), int):  # a count per row (a bag's: two, always)
-        per_row = 16 if name == "aten::_embedding_bag_backward" else 8
-        if per_row == 16 or arg("scale_grad_by_freq"):
-            scratch += per_row * max(0, arg("num_weights"))
+    rows = arg("num_weights")
+    if isinstance(rows, int) and name == "aten::_embedding_bag_backward":
+        scratch += 16 * max(0, rows)  # a count and a unique count per row, always
+    elif isinstance(rows, int) and arg("scale_grad_by_freq"):
+        scratch += 8 * max(0, rows)  # a count per row
     return scratch
 
 
