@@ -6,6 +6,9 @@ Starts two loopback Kubo nodes (a temporary swarm, stopped at the end) and one w
 node 1; the client and the raw calls use node 0. Prints:
   - round trip of one gridgraph batch (one `run` message to the worker, its reply) next to a
     raw Kubo pubsub round trip (pub on node 0, echoed by a subscriber on node 1), as a ratio;
+    then the same with that worker stopped and one started with `--no-isolate` in its place,
+    which shows what isolation costs (a request and its reply cross into the session's
+    executor process and back);
   - tensor throughput, client -> worker (`send`) and worker -> client (`get`), next to raw
     `block put` on one node + `block get` on the other of the same bytes in 512 KiB blocks
     (as the transport cuts them, 8 fetches in flight), as ratios.
@@ -89,6 +92,20 @@ def batch_once(x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def round_trips(echo: Echo, api: str, worker: str, rounds: int) -> tuple[list, list]:
+    """(gridgraph, raw) seconds of `rounds` batches on `worker` and as many echoes, alternating
+    so that both see the same machine load."""
+    raw_rtt, gg_rtt = [], []
+    with gg.connect(ipfs=api, workers=[worker]) as grid:
+        x = torch.ones(4).send(grid.workers[0])
+        for i in range(rounds + 5):
+            raw, ours = echo.once(), batch_once(x)
+            if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
+                raw_rtt.append(raw)
+                gg_rtt.append(ours)
+    return gg_rtt, raw_rtt
+
+
 def raw_blocks_once(put_on: Kubo, get_on: Kubo, nbytes: int, pool: ThreadPoolExecutor) -> float:
     """block put of `nbytes` fresh bytes on one node, then block get of them on the other."""
     data = os.urandom(nbytes)
@@ -132,16 +149,9 @@ def main() -> None:
             )
             kn, kf = Kubo(near.api), Kubo(far.api)
             echo = Echo(kn, kf)
-            raw_rtt, gg_rtt = [], []
             raw_up, raw_down, gg_up, gg_down = [], [], [], []
-            # Raw and gridgraph samples alternate, so that both see the same machine load.
+            gg_rtt, raw_rtt = round_trips(echo, near.api, "bench", args.rounds)
             with gg.connect(ipfs=near.api, workers=["bench"]) as grid:
-                x = torch.ones(4).send(grid.workers[0])
-                for i in range(args.rounds + 5):
-                    raw, ours = echo.once(), batch_once(x)
-                    if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
-                        raw_rtt.append(raw)
-                        gg_rtt.append(ours)
                 with ThreadPoolExecutor(FETCH_WINDOW) as pool:
                     for _ in range(args.transfers):
                         raw_up.append(raw_blocks_once(kn, kf, nbytes, pool))
@@ -149,6 +159,12 @@ def main() -> None:
                         up, down = send_get_once(grid, nbytes)
                         gg_up.append(up)
                         gg_down.append(down)
+            # The same round trips on a worker without executors, alone on the machine too.
+            stop_worker(worker)
+            worker = spawn_worker(far.api, "shared", root / "shared.log", log_level="WARNING",
+                                  isolate=False)  # fmt: skip
+            discover(near.api, names=["shared"], timeout=60, procs=[worker])
+            shared_rtt, shared_raw = round_trips(echo, near.api, "shared", args.rounds)
             lost = echo.lost
             echo.close()
         finally:
@@ -161,6 +177,10 @@ def main() -> None:
         f"  one batch vs pubsub echo       {median_ms(gg_rtt):8.2f} ms  "
         f"{median_ms(raw_rtt):8.2f} ms  {median_ms(gg_rtt) / median_ms(raw_rtt):6.2f}x"
         + (f"   ({lost} raw echoes lost)" if lost else "")
+    )
+    print(
+        f"  the same, --no-isolate         {median_ms(shared_rtt):8.2f} ms  "
+        f"{median_ms(shared_raw):8.2f} ms  {median_ms(shared_rtt) / median_ms(shared_raw):6.2f}x"
     )
     print(f"\n{mb:g} MB tensor (median of {args.transfers})   gridgraph     raw Kubo    ratio")
     for name, ours, raw in (("send: client -> worker", gg_up, raw_up),

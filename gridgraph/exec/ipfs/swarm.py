@@ -339,14 +339,18 @@ def spawn_worker(
     lease: float | None = None,
     log_level: str = "INFO",
     allow_peers: Path | None = None,
+    isolate: bool = True,
 ) -> subprocess.Popen:
-    """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`."""
+    """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`
+    (`isolate=False`: with `--no-isolate`, its programs in its own process)."""
     args = [sys.executable, "-m", "gridgraph", "worker", "--ipfs", api,
             "--name", check_name(name), "--log-level", log_level]  # fmt: skip
     if lease is not None:
         args += ["--lease", str(lease)]
     if allow_peers is not None:
         args += ["--allow-peers", str(allow_peers)]
+    if not isolate:
+        args.append("--no-isolate")
     with open(log_path, "ab") as out:
         return subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
