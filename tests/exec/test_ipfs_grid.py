@@ -25,8 +25,9 @@ import gridgraph as gg
 from gridgraph.cli import main
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.client import grid_over
+from gridgraph.exec.ipfs.discovery import discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
-from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker
+from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
@@ -415,6 +416,32 @@ def test_close_frees_the_clients_tensors_on_every_worker(kubo_nodes, ipfs_worker
     assert freed == 4
     with pytest.raises(gg.GridError, match="closed"):
         grid.stats()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of process `pid` (from every one of its threads)."""
+    tasks = f"/proc/{pid}/task"
+    return [int(c) for t in os.listdir(tasks) for c in open(f"{tasks}/{t}/children").read().split()]
+
+
+def test_a_no_isolate_worker_serves_from_its_own_process(kubo_nodes, tmp_path):
+    # spawn_worker(isolate=False) is `gridgraph worker --no-isolate`: exact results, and no
+    # process of its own for sessions (a default worker has its executors' forkserver).
+    procs = {
+        "solo": spawn_worker(kubo_nodes[2].api, "solo", tmp_path / "solo.log", isolate=False),
+        "boxed": spawn_worker(kubo_nodes[2].api, "boxed", tmp_path / "boxed.log"),
+    }
+    try:
+        discover(kubo_nodes[0].api, names=list(procs), timeout=60, procs=list(procs.values()))
+        a = torch.randn(5)
+        with gg.connect(ipfs=kubo_nodes[0].api, workers=list(procs)) as grid:
+            for worker in grid.workers:
+                assert torch.equal(((a.send(worker) * 3) + 1).get(), a * 3 + 1)
+            assert _children(procs["solo"].pid) == []
+            assert _children(procs["boxed"].pid) != []
+    finally:
+        for proc in procs.values():
+            stop_worker(proc)
 
 
 def test_worker_refuses_a_name_already_taken(kubo_nodes, ipfs_workers, tmp_path):
