@@ -156,7 +156,7 @@ def _per_sample_weights_backward(arg: Arg) -> None:
     _bags(arg, _rows(arg("weight")), _rows(arg("grad")))
 
 
-# --- pooling backward ------------------------------------------------------------------------
+# --- pooling and convolution backward --------------------------------------------------------
 
 
 def _pool_backward(spatial: int, has_indices: bool) -> Callable[[Arg], None]:
@@ -187,6 +187,19 @@ def _reflection_pad_backward(arg: Arg) -> None:
                 f"reflection padding {pads[2 * i : 2 * i + 2]} must be less than the input's "
                 f"dimension of {size}"
             )
+
+
+def _convolution_backward(arg: Arg) -> None:
+    """The gradient batched as the input: torch checks its other dimensions against the
+    forward's output, not its first, and the slow kernels (float64; a float32 3-D
+    convolution) read one gradient sample per input sample (a 1-sample gradient for 65,536
+    inputs read heap bytes into the result, then segfaulted)."""
+    grad, input = arg("grad_output"), arg("input")
+    if grad.dim() != input.dim() or grad.dim() == 0 or grad.shape[0] != input.shape[0]:
+        raise KernelArgumentRefused(
+            f"grad_output of shape {tuple(grad.shape)} must have the input's dimensions and "
+            f"batch, as the input's shape {tuple(input.shape)} gives"
+        )
 
 
 # --- normalisation ---------------------------------------------------------------------------
@@ -598,6 +611,7 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::fractional_max_pool3d_backward": _pool_backward(3, True),
     "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),
     "aten::_adaptive_avg_pool3d_backward": _pool_backward(3, False),
+    "aten::convolution_backward": _convolution_backward,
     "aten::native_batch_norm": _batch_norm,
     "aten::_native_batch_norm_legit": _batch_norm,
     "aten::_batch_norm_with_update": _batch_norm,

@@ -299,6 +299,18 @@ CASES = {
         [["aten::avg_pool3d_backward", [Slot(0), Slot(1), [2, 2, 2], [2, 2, 2], [0, 0, 0],
           False, True, None], {}, 1]],
     ),
+    "convolution_backward: a 1-sample gradient for 65,536 inputs (segfault)": (
+        [torch.zeros(1, 2, 6, 6, dtype=torch.float64), torch.zeros(65536, 1, 8, 8,
+         dtype=torch.float64), torch.ones(2, 1, 3, 3, dtype=torch.float64)],
+        [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), [2], [1, 1], [0, 0],
+          [1, 1], False, [0, 0], 1, [True, True, True]], {}, 3]],
+    ),
+    "convolution_backward: a 3-D one with a smaller batch in the gradient (read)": (
+        [torch.zeros(1, 2, 6, 6, 6, dtype=torch.float64), torch.zeros(4096, 1, 8, 8, 8,
+         dtype=torch.float64), torch.ones(2, 1, 3, 3, 3, dtype=torch.float64)],
+        [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), [2], [1, 1, 1], [0, 0, 0],
+          [1, 1, 1], False, [0, 0, 0], 1, [True, True, True]], {}, 3]],
+    ),
     "_pdist_forward: a 3-D input with no columns (segfault)": (
         [torch.rand(2, 3, 0)],
         [["aten::_pdist_forward", [Slot(0), 2.0], {}, 1]],
