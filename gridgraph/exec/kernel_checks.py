@@ -202,6 +202,32 @@ def _convolution_backward(arg: Arg) -> None:
         )
 
 
+# --- fft -------------------------------------------------------------------------------------
+
+
+def _fft_dims(arg: Arg) -> None:
+    """The dims of a raw FFT kernel as `torch.fft` passes them: non-empty, distinct, each in
+    [0, ndim) (the kernels index sizes and strides with them unchecked: a dim of 65,536 or
+    -2**20 segfaulted the worker); a normalisation mode of 0, 1 or 2; and for `_fft_c2r` a
+    last dimension of last_dim_size // 2 + 1 (it writes last_dim_size at dim[-1] into an
+    array on the stack: a dim of -2 wrote before it, a segfault; -1 put stack words in the
+    error)."""
+    input, dims = arg("self"), arg("dim")
+    ndim = input.dim()
+    if not dims or len(set(dims)) != len(dims) or any(not 0 <= int(d) < ndim for d in dims):
+        raise KernelArgumentRefused(
+            f"FFT dims {list(dims)} must be distinct and each in 0..{ndim - 1}"
+        )
+    if arg("normalization") not in (0, 1, 2):
+        raise KernelArgumentRefused("an FFT's normalization must be 0, 1 or 2")
+    last = arg("last_dim_size")
+    if last is not None and (int(last) < 1 or input.shape[dims[-1]] != int(last) // 2 + 1):
+        raise KernelArgumentRefused(
+            f"last_dim_size {last} must be at least 1, with the input's dimension {dims[-1]} "
+            "of last_dim_size // 2 + 1"
+        )
+
+
 # --- normalisation ---------------------------------------------------------------------------
 
 _PER_CHANNEL = ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd",
@@ -612,6 +638,9 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),
     "aten::_adaptive_avg_pool3d_backward": _pool_backward(3, False),
     "aten::convolution_backward": _convolution_backward,
+    "aten::_fft_c2c": _fft_dims,
+    "aten::_fft_r2c": _fft_dims,
+    "aten::_fft_c2r": _fft_dims,
     "aten::native_batch_norm": _batch_norm,
     "aten::_native_batch_norm_legit": _batch_norm,
     "aten::_batch_norm_with_update": _batch_norm,

@@ -311,6 +311,18 @@ CASES = {
         [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), [2], [1, 1, 1], [0, 0, 0],
           [1, 1, 1], False, [0, 0, 0], 1, [True, True, True]], {}, 3]],
     ),
+    "_fft_c2c: a dim past the input's (segfault)": (
+        [torch.ones(4, dtype=torch.cfloat)],
+        [["aten::_fft_c2c", [Slot(0), [65536], 0, True], {}, 1]],
+    ),
+    "_fft_r2c: a negative dim (segfault)": (
+        [torch.ones(4)],
+        [["aten::_fft_r2c", [Slot(0), [-(2**20)], 0, True], {}, 1]],
+    ),
+    "_fft_c2r: a dim of -2, written onto the stack (segfault)": (
+        [torch.ones(4, dtype=torch.cfloat)],
+        [["aten::_fft_c2r", [Slot(0), [-2], 0, 6], {}, 1]],
+    ),
     "_pdist_forward: a 3-D input with no columns (segfault)": (
         [torch.rand(2, 3, 0)],
         [["aten::_pdist_forward", [Slot(0), 2.0], {}, 1]],
