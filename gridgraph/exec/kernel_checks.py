@@ -189,11 +189,35 @@ def _reflection_pad_backward(arg: Arg) -> None:
             )
 
 
+def _convolution(arg: Arg) -> None:
+    """Strides, paddings, dilations, output paddings and groups under 2**31, and a transposed
+    convolution's output padding under its stride or dilation, as the meta kernel requires:
+    the slow transposed and 3-D CPU kernels check shapes with 32-bit copies of them (2**32 + 1
+    read as 1) but compute with the full values (a stride of 2**32 + 1 segfaulted the
+    backward; an output padding of 2**32 made the forward allocate 17 GB, charged nothing
+    since the meta kernel refuses it)."""
+    lists = [arg(name) for name in ("stride", "padding", "dilation", "output_padding")]
+    if (
+        any(abs(int(v)) >= 2**31 for values in lists for v in values)
+        or abs(int(arg("groups"))) >= 2**31
+    ):
+        raise KernelArgumentRefused("a convolution's parameters must each be under 2**31")
+    if arg("transposed"):
+        stride, _, dilation, output_padding = lists
+        for s, d, p in zip(stride, dilation, output_padding):
+            if int(p) >= max(int(s), int(d)):
+                raise KernelArgumentRefused(
+                    f"output padding {list(output_padding)} must be smaller than the stride "
+                    f"{list(stride)} or the dilation {list(dilation)}"
+                )
+
+
 def _convolution_backward(arg: Arg) -> None:
-    """The gradient batched as the input: torch checks its other dimensions against the
-    forward's output, not its first, and the slow kernels (float64; a float32 3-D
-    convolution) read one gradient sample per input sample (a 1-sample gradient for 65,536
-    inputs read heap bytes into the result, then segfaulted)."""
+    """As `_convolution`, and the gradient batched as the input: torch checks its other
+    dimensions against the forward's output, not its first, and the slow kernels (float64;
+    a float32 3-D convolution) read one gradient sample per input sample (a 1-sample
+    gradient for 65,536 inputs read heap bytes into the result, then segfaulted)."""
+    _convolution(arg)
     grad, input = arg("grad_output"), arg("input")
     if grad.dim() != input.dim() or grad.dim() == 0 or grad.shape[0] != input.shape[0]:
         raise KernelArgumentRefused(
@@ -637,6 +661,7 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::fractional_max_pool3d_backward": _pool_backward(3, True),
     "aten::_adaptive_avg_pool2d_backward": _pool_backward(2, False),
     "aten::_adaptive_avg_pool3d_backward": _pool_backward(3, False),
+    "aten::convolution": _convolution,
     "aten::convolution_backward": _convolution_backward,
     "aten::_fft_c2c": _fft_dims,
     "aten::_fft_r2c": _fft_dims,

@@ -311,6 +311,21 @@ CASES = {
         [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), [2], [1, 1, 1], [0, 0, 0],
           [1, 1, 1], False, [0, 0, 0], 1, [True, True, True]], {}, 3]],
     ),
+    "convolution_backward: a transposed stride of 2**32 + 1, read as 1 (segfault)": (
+        [torch.ones(1, 1, 2), torch.ones(1, 1, 2), torch.ones(1, 1, 1)],
+        [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), None, [2**32 + 1], [0],
+          [1], True, [0], 1, [True, True, True]], {}, 3]],
+    ),
+    "convolution_backward: a transposed dilation of 2**32 + 1 (segfault)": (
+        [torch.ones(1, 1, 5, 4), torch.ones(1, 1, 4, 4), torch.ones(1, 1, 2, 1)],
+        [["aten::convolution_backward", [Slot(0), Slot(1), Slot(2), None, [1, 1], [0, 0],
+          [2**32 + 1, 1], True, [0, 0], 1, [True, True, True]], {}, 3]],
+    ),
+    "convolution: a transposed output padding of 2**32, read as 0 (17 GB)": (
+        [torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1)],
+        [["aten::convolution", [Slot(0), Slot(1), None, [1, 1], [0, 0], [1, 1], True,
+          [2**32, 0], 1], {}, 1]],
+    ),
     "_fft_c2c: a dim past the input's (segfault)": (
         [torch.ones(4, dtype=torch.cfloat)],
         [["aten::_fft_c2c", [Slot(0), [65536], 0, True], {}, 1]],
