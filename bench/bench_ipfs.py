@@ -92,17 +92,16 @@ def batch_once(x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def round_trips(echo: Echo, api: str, worker: str, rounds: int) -> tuple[list, list]:
-    """(gridgraph, raw) seconds of `rounds` batches on `worker` and as many echoes, alternating
-    so that both see the same machine load."""
+def round_trips(echo: Echo, grid: gg.Grid, rounds: int) -> tuple[list, list]:
+    """(gridgraph, raw) seconds of `rounds` batches on the grid's one worker and as many
+    echoes, alternating so that both see the same machine load."""
     raw_rtt, gg_rtt = [], []
-    with gg.connect(ipfs=api, workers=[worker]) as grid:
-        x = torch.ones(4).send(grid.workers[0])
-        for i in range(rounds + 5):
-            raw, ours = echo.once(), batch_once(x)
-            if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
-                raw_rtt.append(raw)
-                gg_rtt.append(ours)
+    x = torch.ones(4).send(grid.workers[0])
+    for i in range(rounds + 5):
+        raw, ours = echo.once(), batch_once(x)
+        if i >= 5 and raw is not None:  # warm-up; later runs reuse the plan
+            raw_rtt.append(raw)
+            gg_rtt.append(ours)
     return gg_rtt, raw_rtt
 
 
@@ -150,8 +149,8 @@ def main() -> None:
             kn, kf = Kubo(near.api), Kubo(far.api)
             echo = Echo(kn, kf)
             raw_up, raw_down, gg_up, gg_down = [], [], [], []
-            gg_rtt, raw_rtt = round_trips(echo, near.api, "bench", args.rounds)
             with gg.connect(ipfs=near.api, workers=["bench"]) as grid:
+                gg_rtt, raw_rtt = round_trips(echo, grid, args.rounds)
                 with ThreadPoolExecutor(FETCH_WINDOW) as pool:
                     for _ in range(args.transfers):
                         raw_up.append(raw_blocks_once(kn, kf, nbytes, pool))
@@ -164,7 +163,8 @@ def main() -> None:
             worker = spawn_worker(far.api, "shared", root / "shared.log", log_level="WARNING",
                                   isolate=False)  # fmt: skip
             discover(near.api, names=["shared"], timeout=60, procs=[worker])
-            shared_rtt, shared_raw = round_trips(echo, near.api, "shared", args.rounds)
+            with gg.connect(ipfs=near.api, workers=["shared"]) as grid:
+                shared_rtt, shared_raw = round_trips(echo, grid, args.rounds)
             lost = echo.lost
             echo.close()
         finally:

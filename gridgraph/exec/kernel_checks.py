@@ -156,7 +156,7 @@ def _per_sample_weights_backward(arg: Arg) -> None:
     _bags(arg, _rows(arg("weight")), _rows(arg("grad")))
 
 
-# --- pooling and convolution backward --------------------------------------------------------
+# --- pooling backward, convolution -----------------------------------------------------------
 
 
 def _pool_backward(spatial: int, has_indices: bool) -> Callable[[Arg], None]:

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -420,8 +421,8 @@ def test_close_frees_the_clients_tensors_on_every_worker(kubo_nodes, ipfs_worker
 
 def _children(pid: int) -> list[int]:
     """The child processes of process `pid` (from every one of its threads)."""
-    tasks = f"/proc/{pid}/task"
-    return [int(c) for t in os.listdir(tasks) for c in open(f"{tasks}/{t}/children").read().split()]
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for task in tasks.iterdir() for c in (task / "children").read_text().split()]
 
 
 def test_a_no_isolate_worker_serves_from_its_own_process(kubo_nodes, tmp_path):
