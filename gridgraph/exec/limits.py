@@ -237,6 +237,12 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
     return storage.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+# What a meta kernel says when the meta device cannot tell, rather than that the arguments are
+# wrong: it has no meta kernel (NotImplementedError), it read a value (`.item()`), or an
+# argument was a constant CPU tensor.
+_ABOUT_META = re.compile(r"meta tensor|meta kernel|meta backend|device meta", re.IGNORECASE)
+
+
 def op_footprint(
     op: Any, args: list, kwargs: dict
 ) -> tuple[Any, dict[int, int], int, float] | None:
@@ -248,8 +254,14 @@ def op_footprint(
     (`op_scratch`): meta kernels allocate only results, so it is bounded from the arguments.
 
     None when the op has no meta kernel (data-dependent ops such as nonzero: bounded from
-    their real arguments by `data_dependent_footprint`), its work depends on its data
-    (`_WORK_FROM_DATA`), or the arguments do not fit (the real call will say so).
+    their real arguments by `data_dependent_footprint`), its meta kernel cannot tell (it
+    reads values), or its work depends on its data (`_WORK_FROM_DATA`).
+
+    Raises what the meta kernel raised when it refuses the arguments: the call is refused
+    and its real kernel never runs. A meta kernel checks what the CPU kernel checks, often
+    more; CPU kernels that took what their meta kernels refused have read and written past
+    their tensors, or allocated 17 GB of output charged as nothing (a convolution's
+    output_padding of 2**32, which its meta kernel refused as too large).
     """
     if op._schema.name in _WORK_FROM_DATA:
         return None
@@ -259,8 +271,10 @@ def op_footprint(
     try:
         with torch.no_grad():
             result = op(*args, **kwargs)
-    except Exception:
-        return None
+    except Exception as e:
+        if isinstance(e, NotImplementedError) or _ABOUT_META.search(str(e)):
+            return None
+        raise
     outputs = tensors_in(result)
     shared = {t.untyped_storage()._cdata for t in inputs}
     new = {

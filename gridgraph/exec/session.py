@@ -43,10 +43,12 @@ received (`Stretch`); walks are remembered per layout of what they read (a repla
 receives the same layouts every time). An op whose output size its data sets (bincount,
 nonzero), and the ops that read what it made, are checked just before they run, from a
 bound read off its arguments (`limits.data_dependent_footprint`), or from a meta run on
-theirs (`CompiledCall.footprint`). Every result is bounds-checked, the memory limit is
-checked after every call (from running byte counts) and the time limit before every step.
-A run that fails undoes what it stored. The work the footprint finds for a call also sets
-how many intra-op threads it runs on (intraop.py).
+theirs (`CompiledCall.footprint`). A call whose meta kernel refuses its arguments fails
+with that kernel's error when it is reached: its real kernel never runs (CPU kernels have
+taken what their meta kernels refuse, and read past memory). Every result is
+bounds-checked, the memory limit is checked after every call (from running byte counts) and
+the time limit before every step. A run that fails undoes what it stored. The work the
+footprint finds for a call also sets how many intra-op threads it runs on (intraop.py).
 
 Transfers between workers: a run message names the identity of every worker its `send` and
 `recv` steps name (`peers`, which the client takes from its own view of the grid, where its
@@ -667,7 +669,7 @@ class CompiledCall:
     def footprint(self, args: list, kwargs: dict) -> tuple[int, float] | None:
         """(bytes of new storage and scratch, work) of this call on these arguments, from a
         run on meta tensors (limits.op_footprint); None when meta cannot tell (data-dependent
-        ops).
+        ops). Raises what its meta kernel raised when that refuses the arguments.
 
         Remembered per argument metadata (the FOOTPRINTS_KEPT last used), since a replayed
         step's steps that read transferred tensors see the same metadata every time and a
@@ -817,7 +819,10 @@ def _footprint(stretch: Stretch, inputs: dict[int, torch.Tensor], params: dict) 
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
                 kw = {k: _meta_arg(v, metas, meta_params) for k, v in kwargs.items()}
-                footprint = op_footprint(stretch.calls[i].op, resolved, kw)
+                try:
+                    footprint = op_footprint(stretch.calls[i].op, resolved, kw)
+                except Exception:  # its meta kernel refused it: so is it, when it runs
+                    footprint = None  # (`Run.check_footprint`), after the steps before it
             if footprint is None:  # depends on a transfer or on data: check when it runs
                 for slot in [*outs, *(s for _, s in writes)]:
                     bind(slot, None)

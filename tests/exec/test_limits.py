@@ -20,7 +20,7 @@ from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import session, wire
+from gridgraph.exec import kernel_checks, ops, session, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     Limits,
@@ -708,6 +708,38 @@ def test_storage_a_resize_grows_is_counted_even_when_its_run_then_fails():
             assert state.store.stored_bytes >= held
         assert "memory limit" in reply["error"]["message"]  # the third: refused before it ran
         assert state.store.get(22).untyped_storage().nbytes() == 4
+
+
+def test_a_call_its_meta_kernel_refuses_never_runs_its_kernel(monkeypatch):
+    # grid_sampler_2d's CPU kernel takes an interpolation mode of 7 and returns its output
+    # unwritten: heap bytes, maybe another client's. Its meta kernel refuses the mode. With
+    # the op's own argument check taken away, that refusal alone keeps its kernel from
+    # running (it was taken as "meta cannot tell", and the kernel ran).
+    monkeypatch.delitem(kernel_checks.CHECKS, "aten::grid_sampler_2d")
+    # Each op's runner is made once, with its check or without: made again here, without
+    # it, and again after the test, with the check put back.
+    ops.runner.cache_clear()
+    try:
+        with gg.local_grid(1) as grid:
+            image, where = torch.randn(1, 1, 4, 4), torch.rand(1, 8, 8, 2) * 2 - 1
+            values = [[1, image], [2, where]]
+            assert Peer(grid).request("w0", {"kind": "put", "values": values})["ok"]
+            add = hostile.call("aten::add.Tensor", [Slot(0), Slot(0)], [2])
+            sample = hostile.call(
+                "aten::grid_sampler_2d.default", [Slot(0), Slot(1), 7, 0, False], [3]
+            )
+            reply = Peer(grid).request(
+                "w0", hostile.run([add, sample, ["return", 3]], [1, 2, 10, 11])
+            )
+            assert not reply["ok"] and "interpolation mode 7" in reply["error"]["message"], reply
+            assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the add only
+            sample = hostile.call(
+                "aten::grid_sampler_2d.default", [Slot(0), Slot(1), 0, 0, False], [2]
+            )
+            got = _returns(grid, [sample, ["return", 2]], [1, 2, 12])  # honest modes run
+            assert torch.equal(got[0], torch.grid_sampler_2d(image, where, 0, 0, False))
+    finally:
+        ops.runner.cache_clear()
 
 
 def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import hostile
+import pytest
 import torch
 from local_peer import Peer
 
@@ -62,17 +63,21 @@ def test_a_cached_program_replays_with_its_ops_resolved_once(local_grid, monkeyp
 
 def test_a_cached_program_failing_midway_undoes_what_it_stored_and_names_the_op(local_grid):
     peer = Peer(local_grid)
-    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(2, 3)]]})["ok"]
+    values = [[1, torch.ones(2, 3)], [4, torch.tensor([5])]]
+    assert peer.request("w0", {"kind": "put", "values": values})["ok"]
+    # row 5 of 2: the kernel refuses it when it runs (its meta kernel cannot tell)
     program = [[
-        ["call", "aten::add.Tensor", [Slot(0), 1.0], {}, [1], [], False],
-        ["call", "aten::mm.default", [Slot(1), Slot(1)], {}, [2], [], False],  # 2x3 @ 2x3
-        ["return", 2],
+        ["call", "aten::add.Tensor", [Slot(0), 1.0], {}, [2], [], False],
+        ["call", "aten::index_select.default", [Slot(2), 0, Slot(1)], {}, [3], [], False],
+        ["return", 3],
     ]]  # fmt: skip
     fetch = _run(9, 9, [2], [], [[["return", 0]]])
     for run, sent in ((1, program), (2, None)):  # sent with the program, then cached
-        reply = peer.request("w0", _run(8, run, [1, 2, 3], [], sent))
-        assert not reply["ok"] and reply["error"]["op"] == "aten::mm.default"
-        assert "mat1 and mat2 shapes cannot be multiplied" in reply["error"]["message"]
+        reply = peer.request("w0", _run(8, run, [1, 4, 2, 3], [], sent))
+        assert not reply["ok"] and reply["error"]["op"] == "aten::index_select.default"
+        with pytest.raises(IndexError) as plain:
+            torch.index_select(torch.ones(2, 3), 0, torch.tensor([5]))
+        assert str(plain.value) in reply["error"]["message"]
         gone = peer.request("w0", {**fetch, "run": 10 + run})
         assert not gone["ok"] and "not stored" in gone["error"]["message"]  # undone
     ok = peer.request("w0", _run(9, 20, [1], [], [[["return", 0]]]))
