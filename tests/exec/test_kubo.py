@@ -154,3 +154,28 @@ def test_block_put_refuses_more_than_1_mib(kubo_nodes):
     kubo.block_put(b"x" * MAX_BLOCK_SIZE)
     with pytest.raises(ValueError, match="exceeds"):
         kubo.block_put(b"x" * (MAX_BLOCK_SIZE + 1))
+
+
+def test_publishes_from_several_threads_at_once_all_go_out(kubo_nodes):
+    # Kubo refuses a publish made while it validates another through the same node
+    # ("validation ignored"); such a publish never went out, so the client sends it again.
+    kubo, listener = Kubo(kubo_nodes[0].api), Kubo(kubo_nodes[1].api)
+    topic = f"test/at-once/{uuid.uuid4().hex}"
+    sub = listener.pubsub_sub(topic)
+    wait_for_subscriber(kubo, topic)
+    errors: list = []
+
+    def publish(thread: int) -> None:
+        for i in range(100):
+            try:
+                kubo.pubsub_pub(topic, f"{thread}/{i}".encode())
+            except KuboError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sub.close()
+    assert not errors, errors[:3]

@@ -14,6 +14,8 @@ Policy:
   Kubo requires; binary bodies (pubsub data, blocks) go as a multipart file.
 - Blocks are capped at `MAX_BLOCK_SIZE` (1 MiB) on our side, so every Kubo release (older
   ones stop at 1 MiB, newer at 2 MiB) accepts them and bitswap moves them.
+- A publish refused with "validation ignored" (two publishes through one node at once, from
+  any threads or processes) never went out, and is sent again.
 - Every failure is raised as `KuboError`, naming the call and the node.
 
 Example:
@@ -30,6 +32,7 @@ import json
 import os
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from typing import Any
 from ipfshttpclient.http_common import multiaddr_to_url_data
 
 MAX_BLOCK_SIZE = 1 << 20
+PUBLISH_TRIES = 8  # a publish Kubo refused as "validation ignored" is sent again (see pubsub_pub)
 API_BASE = "api/v0"
 
 
@@ -225,8 +229,19 @@ class Kubo:
         return [peer["Peer"] for peer in peers]
 
     def pubsub_pub(self, topic: str, data: bytes) -> None:
-        """Publish `data` (any bytes, under ~1 MiB with framing) to `topic`."""
-        self._call("/pubsub/pub", [mb_encode(topic.encode())], data=data, decoder="none")
+        """Publish `data` (any bytes, under ~1 MiB with framing) to `topic`.
+
+        One refused with "validation ignored" (Kubo was still validating another publish
+        through this node, from any thread or process) never went out: it is sent again,
+        PUBLISH_TRIES times at most."""
+        for attempt in range(PUBLISH_TRIES):
+            try:
+                self._call("/pubsub/pub", [mb_encode(topic.encode())], data=data, decoder="none")
+                return
+            except KuboError as e:
+                if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
+                    raise
+                time.sleep(0.001 * 2**attempt)
 
     def pubsub_sub(self, topic: str) -> Subscription:
         """Open a subscription stream; the topic is subscribed once this returns."""

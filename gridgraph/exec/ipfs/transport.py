@@ -92,7 +92,6 @@ PENDING_PER_PEER = 4  # of them, from one sending peer; more are dropped (and se
 FETCH_WINDOW = 8  # blocks of one payload fetched at once
 PUT_PARALLELISM = 8  # blocks stored at once
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
-PUBLISH_TRIES = 8  # publishes refused by Kubo's own seqno check are retried this often
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
 ACK_COPIES = 2  # PubSub drops ~1% of messages: a lost ack would leave the sender's blocks
 DELIVERED_KEPT = 1024  # ids of large payloads received, to recognise resent copies
@@ -414,10 +413,8 @@ class GridTransport(IpfsTransport):
 
     `identity` is "<peer ID>~<this endpoint's public key>" (secure.Channel). `directory`
     (discovery.Directory) says which endpoint owns a worker name; set it before publishing
-    to a worker topic without naming the receiver (`to`). Also works around Kubo's concurrent
-    validation: a publish refused with "validation ignored" (two threads or processes
-    publishing through one node at once) never went out, and is sent again. A large payload
-    sent again to the same receiver before it acknowledged the first copy reuses the blocks.
+    to a worker topic without naming the receiver (`to`). A large payload sent again to the
+    same receiver before it acknowledged the first copy reuses the blocks.
     """
 
     def __init__(
@@ -484,14 +481,7 @@ class GridTransport(IpfsTransport):
                 body = {"b": [list(b) for b in stored.blocks], "t": stored.total,
                         "k": stored.key, "i": stored.id}  # fmt: skip
             message = self.channel.seal(receiver, topic, msgpack.packb(body))
-        for attempt in range(PUBLISH_TRIES):
-            try:
-                self._publish(topic, message)
-                break
-            except KuboError as e:
-                if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
-                    raise
-                time.sleep(0.001 * 2**attempt)
+        self._publish(topic, message)
         if counted:
             self.sent.add(len(message) + blocked)
 
