@@ -194,8 +194,9 @@ def _convolution(arg: Arg) -> None:
     convolution's output padding under its stride or dilation, as the meta kernel requires:
     the slow transposed and 3-D CPU kernels check shapes with 32-bit copies of them (2**32 + 1
     read as 1) but compute with the full values (a stride of 2**32 + 1 segfaulted the
-    backward; an output padding of 2**32 made the forward allocate 17 GB, charged nothing
-    since the meta kernel refuses it)."""
+    backward; an output padding of 2**32 made the forward allocate 17 GB). The meta kernel
+    refuses these too, which now refuses the call first (limits.op_footprint): this check
+    stays as a second line."""
     lists = [arg(name) for name in ("stride", "padding", "dilation", "output_padding")]
     if (
         any(abs(int(v)) >= 2**31 for values in lists for v in values)
