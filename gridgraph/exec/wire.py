@@ -7,10 +7,12 @@ A message is framed as
 
 The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbytes]`
 pointing into the data region, so tensor bytes are copied once when a message is built and,
-in a message of one tensor (a large `send`, most transfers), never again when it is read:
-that tensor is a view of the received buffer. The tensors of a message of several are
-copied out of it, each into memory of its own: as views, any one kept would keep all the
-others' bytes alive, uncounted (a client kept a tensor of 4 bytes and freed the rest).
+in a message of one large tensor (a large `send`), never again when it is read: that tensor
+is a view of the received buffer. The tensors of a message of several are copied out of
+it, each into memory of its own: as views, any one kept would keep all the others' bytes
+alive, uncounted (a client kept a tensor of 4 bytes and freed the rest). Tensors of at most
+COPY_BELOW bytes, of the dtypes numpy shares, are always copied, through numpy as they are
+read: cheaper than a view and a copy later, with no torch call (see `_NUMPY`).
 
 Tensors of the dtypes numpy shares (all but bfloat16) are packed and unpacked through numpy,
 without torch calls: each of those releases the interpreter lock (see `_NUMPY`).
@@ -115,6 +117,7 @@ _ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
 MAX_DIMS = 64
+COPY_BELOW = 1 << 16  # bytes: a tensor this small is copied as it is read
 _MAX_ITEMSIZE = max(d.itemsize for d in DTYPES.values())
 
 
@@ -182,13 +185,16 @@ class _Decoder:
             raise WireError("tensor data lies outside the message")
         if offset % _ALIGN:
             raise WireError(f"tensor data at offset {offset} is not {_ALIGN}-byte aligned")
-        self.regions.append((offset, offset + nbytes))
         if numel == 0:
+            self.regions.append((offset, offset + nbytes))
             return torch.empty(shape, dtype=dtype)
         if dtype in _NUMPY and len(shape) <= _NUMPY_MAX_DIMS:  # (see _NUMPY)
             array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
             if dtype == torch.bool and array.view(np.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
+            if nbytes <= COPY_BELOW:  # memory of its own at once, with no torch call
+                self.regions.append((offset, offset + nbytes))
+                return torch.from_numpy(array.reshape(shape).copy())
             tensor = torch.from_numpy(array.reshape(shape))
         else:
             flat = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)
@@ -198,6 +204,7 @@ class _Decoder:
             # with it the whole region, alive through `own_memory`).
             storage = flat.untyped_storage()
             tensor = torch.empty(0, dtype=dtype).set_(storage, flat.storage_offset(), shape)
+        self.regions.append((offset, offset + nbytes))
         self.views.append(tensor)
         return tensor
 
@@ -217,7 +224,7 @@ class _Decoder:
 
     def own_memory(self) -> None:
         """Give each tensor memory of its own, if the data region holds several."""
-        if len(self.views) > 1:
+        if len(self.regions) > 1:
             for tensor in self.views:
                 tensor.set_(tensor.clone())
 

@@ -223,6 +223,9 @@ def test_each_tensor_of_a_message_of_several_has_memory_of_its_own(dtype):
     assert got_small._base is None and got_big._base is None
     alone = wire.encode({"kind": "put", "values": [[1, big]]})  # one tensor: viewed, no copy
     assert _inside(wire.decode(alone)["values"][0][1], alone)
+    alone = wire.encode({"kind": "put", "values": [[1, small]]})  # one small one: copied
+    got = wire.decode(alone)["values"][0][1]  # (through numpy, where numpy has the dtype)
+    assert torch.equal(got, small) and _inside(got, alone) == (dtype not in wire._NUMPY)
 
 
 def test_a_data_region_larger_than_its_tensors_is_refused():
