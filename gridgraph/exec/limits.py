@@ -47,6 +47,7 @@ import torch
 
 from gridgraph.exec.arguments import argument_reader, stored_magnitude, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
+from gridgraph.trace.meta import run_on_meta
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -270,7 +271,7 @@ def op_footprint(
     sizes = {key: storage.nbytes() for key, storage in storages.items()}
     try:
         with torch.no_grad():
-            result = op(*args, **kwargs)
+            result = run_on_meta(op, args, kwargs)
     except Exception as e:
         if isinstance(e, NotImplementedError) or _ABOUT_META.search(str(e)):
             return None

@@ -10,7 +10,9 @@ Ops whose output shape depends on the data (nonzero, unique, masked_select, ...)
 kernel; `infer` raises `DataDependent` for them and the recorder runs them for real. So do ops
 whose meta kernel fails because it reads values (`allclose` calls `.item()`, `tensor_split`
 wants its indices on the CPU): a meta kernel that raises is never the last word, the worker
-runs the op and either gives the result or raises torch's own error.
+runs the op and either gives the result or raises torch's own error. Where a meta kernel is
+wrong about what the CPU kernel does, `run_on_meta` (which workers' checks use too) follows
+the CPU kernel.
 """
 
 from __future__ import annotations
@@ -96,10 +98,39 @@ class OutputSpec(NamedTuple):
     metas: tuple[TensorMeta | None, ...]
 
 
+def run_on_meta(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """`op(*args, **kwargs)` on meta-device arguments, as the CPU kernel would shape it.
+
+    Where torch's meta kernel is wrong, the CPU kernel's rule stands in for it (the client
+    records by this and workers check by it, so both must agree with what the op gives):
+    the nearest-neighbour upsamplings pass an int to `torch._check` for an empty input
+    (TypeError "cond must be a bool"), where the CPU kernel returns an empty, contiguous
+    batch, or refuses an input empty in any other dimension."""
+    if op in _NEAREST and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 0:
+        x = args[0]
+        if 0 in x.shape[1:]:
+            raise RuntimeError(
+                f"Non-empty {x.dim()}D data tensor expected but got a tensor with sizes "
+                f"{list(x.shape)}"
+            )
+        # Its sizes and arguments checked on a batch of one, then the empty batch.
+        one = op(x.new_empty((1, *x.shape[1:])), *args[1:], **kwargs)
+        return one.new_empty((0, *one.shape[1:]))
+    return op(*args, **kwargs)
+
+
+_NEAREST = frozenset(
+    getattr(getattr(torch.ops.aten, f"{name}{d}d"), overload)
+    for name in ("upsample_nearest", "_upsample_nearest_exact")
+    for d in (1, 2, 3)
+    for overload in ("default", "vec")
+)
+
+
 def infer(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> OutputSpec:
     """Output metadata of `op` run on these meta-device arguments."""
     try:
-        out = op(*args, **kwargs)
+        out = run_on_meta(op, args, kwargs)
     except NotImplementedError as e:
         # No meta kernel: nonzero, masked_select, unique, boolean indexing, equal, ...
         raise DataDependent(str(e)) from e

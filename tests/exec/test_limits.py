@@ -773,6 +773,27 @@ def test_a_call_its_meta_kernel_refuses_is_refused(case):
         assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
 
 
+def test_a_nearest_upsampling_of_an_empty_batch_is_checked_by_the_cpu_kernels_rule():
+    # torch's meta kernel raised a TypeError ("cond must be a bool") for it, which the
+    # worker took as a refusal of a call that plain torch runs (to an empty batch)
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        for shape, op, want in [
+            ((0, 3, 4, 4), "aten::upsample_nearest2d.default", torch.Size([0, 3, 3, 3])),
+            ((0, 0, 4, 4), "aten::upsample_nearest2d.default", "Non-empty 4D data tensor"),
+            ((0, 1, 4), "aten::_upsample_nearest_exact1d.default", torch.Size([0, 1, 3])),
+        ]:
+            x = torch.randn(shape)
+            assert Peer(grid).request("w0", {"kind": "put", "values": [[1, x]]})["ok"]
+            size = [3] * (len(shape) - 2)
+            steps = [hostile.call(op, [Slot(0), size], [1]), ["return", 1]]
+            reply = Peer(grid).request("w0", hostile.run(steps, [1, 2]))
+            if isinstance(want, str):
+                assert not reply["ok"] and want in reply["error"]["message"], reply
+            else:
+                assert reply["ok"], reply
+                assert reply["returns"][0][1].shape == want == ops.resolve(op)(x, size).shape
+
+
 def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> None:
     peer = Peer(grid)
     reply = peer.request("w0", hostile.run(steps, slots, plan=len(slots)))

@@ -7,6 +7,7 @@ fetched. Inputs are spread over the workers round-robin, so many cases also cros
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -249,6 +250,17 @@ EMPTY_CASES = {
     "views": (lambda a: (a.t(), a.view(3, 0), a[:, 1:], a.unsqueeze(1)), r(0, 3)),
     "inplace": (lambda a: a.add_(1).mul_(2), r(2, 0)),
     "empty_to_full": (lambda a, b: b + a.sum(), r(0), r(4)),
+    # torch's meta kernels of these raise a TypeError on an empty batch (trace/meta.py)
+    "nearest_upsampling": (
+        lambda a, b, c: (
+            F.interpolate(a, size=3),
+            F.interpolate(b, size=(3, 2), mode="nearest-exact"),
+            F.interpolate(c, scale_factor=2.0),
+        ),
+        r(0, 3, 4),
+        r(0, 2, 4, 4).contiguous(memory_format=torch.channels_last),
+        r(0, 1, 2, 2, 2),
+    ),
 }
 
 
@@ -257,6 +269,18 @@ EMPTY_CASES = {
 def test_zero_element_tensors(grid, name, traced):
     fn, *inputs = EMPTY_CASES[name]
     check(grid, fn, *inputs, traced=traced, exact=True)
+
+
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_nearest_upsampling_of_an_input_empty_past_its_batch_raises_as_torch_does(grid, traced):
+    x = r(2, 0, 4)
+    with pytest.raises(RuntimeError, match="Non-empty 3D data tensor expected") as want:
+        F.interpolate(x, size=3)
+    p = gg.send(x, grid.workers[0])
+    with pytest.raises(RuntimeError, match=re.escape(str(want.value))):
+        with gg.trace() if traced else contextlib.nullcontext():
+            out = F.interpolate(p, size=3)
+        out.get()
 
 
 def _shape_in_place(a, b):
