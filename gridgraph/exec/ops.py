@@ -27,6 +27,7 @@ import torch
 from gridgraph.exec import kernel_checks
 from gridgraph.exec.wire import MAX_DIMS
 from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
+from gridgraph.trace.meta import NEAREST_UPSAMPLINGS, run_on_meta
 
 _NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
 
@@ -161,7 +162,8 @@ def runner(op: torch._ops.OpOverload) -> Runner:
 
     Most ops are called as they are; uninitialised results are zero-filled, `as_strided_`
     is bounds-checked before it changes its tensor, memory `resize_` grows into is zeroed,
-    seeded ops draw from the session's own stream `rng`, and the kernels that trust their
+    seeded ops draw from the session's own stream `rng`, a nearest upsampling of an empty
+    input is made without its kernel (`_upsample_nearest`), and the kernels that trust their
     arguments have them checked first (kernel_checks.py).
     """
     run = _runner(op)
@@ -179,6 +181,8 @@ def _runner(op: torch._ops.OpOverload) -> Runner:
         return lambda rng, args, kwargs: _resize(op, args, kwargs)
     if _seeded(op):
         return lambda rng, args, kwargs: rng.seeded(op, args, kwargs)
+    if op in NEAREST_UPSAMPLINGS:
+        return lambda rng, args, kwargs: _upsample_nearest(op, args, kwargs)
     # What `op(...)` calls, without its Python frame (OpOverload.__call__ takes another path
     # only inside a __torch_function__ handler, which no worker thread runs in; `_op` is read
     # at each call, as torch may swap it).
@@ -189,6 +193,17 @@ def _as_strided_(rng: RandomState, args: list, kwargs: dict) -> Any:
     t, sizes, strides, *rest = args  # checked before it changes the tensor
     _check_layout(t, sizes, strides, rest[0] if rest else t.storage_offset())
     return torch.ops.aten.as_strided_.default(*args, **kwargs)
+
+
+def _upsample_nearest(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:
+    """An empty input's result is made, not computed: the CPU kernel still builds an index
+    per output position (8 bytes each, for an output size of any size, charged nothing
+    since the result holds no element)."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.numel() == 0:
+        shaped = run_on_meta(op, [x.to("meta"), *args[1:]], kwargs)
+        return torch.empty(shaped.shape, dtype=shaped.dtype)
+    return op(*args, **kwargs)
 
 
 def _resize(op: torch._ops.OpOverload, args: list, kwargs: dict) -> Any:

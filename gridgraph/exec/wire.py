@@ -11,8 +11,9 @@ in a message of one large tensor (a large `send`), never again when it is read: 
 is a view of the received buffer. The tensors of a message of several are copied out of
 it, each into memory of its own: as views, any one kept would keep all the others' bytes
 alive, uncounted (a client kept a tensor of 4 bytes and freed the rest). Tensors of at most
-COPY_BELOW bytes, of the dtypes numpy shares, are always copied, through numpy as they are
-read: cheaper than a view and a copy later, with no torch call (see `_NUMPY`).
+COPY_BELOW bytes, of the dtypes numpy shares, are always copied as they are read, into
+memory torch allocates (`resize_` can grow it): one torch call instead of two for
+a view copied later (see `_NUMPY`).
 
 Tensors of the dtypes numpy shares (all but bfloat16) are packed and unpacked through numpy,
 without torch calls: each of those releases the interpreter lock (see `_NUMPY`).
@@ -37,7 +38,10 @@ the message):
   time estimate saw as 4 elements run for seconds; torch's own kernels take 64 at most);
 - two tensors over the same bytes (an in-place write to one would change the other), or a
   data region larger than its tensors and their alignment padding (its bytes would stay
-  in memory with the tensors, uncounted: a 4-byte tensor in a 15 MiB region);
+  in memory with the tensors, uncounted: a 4-byte tensor in a 15 MiB region). Tensors
+  whose bytes add up to more than the region overlap for sure: refused at the first one
+  past it, before it is read or copied (16,384 tensors over one 64 KiB region made 1 GiB
+  of copies before the overlap check that follows the header);
 - a bool tensor with a byte other than 0 or 1 (kernels assume one or the other).
 
 Kernels need tensors aligned for their dtype (a misaligned complex128 crashes some): offsets
@@ -48,6 +52,7 @@ fresh, aligned memory rather than viewed.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from typing import Any
 
@@ -155,6 +160,7 @@ class _Decoder:
     def __init__(self, data: memoryview) -> None:
         self.data = data
         self.regions: list[tuple[int, int]] = []  # (offset, end) of each tensor
+        self.total = 0  # bytes of all tensors so far
         self.views: list[torch.Tensor] = []  # the tensors that view the data region
 
     def tensor(self, obj: Any) -> torch.Tensor:
@@ -183,6 +189,12 @@ class _Decoder:
             )
         if offset + nbytes > len(self.data):
             raise WireError("tensor data lies outside the message")
+        self.total += nbytes  # (tensors that share no byte hold no more than the region)
+        if self.total > len(self.data):
+            raise WireError(
+                f"the message's tensors hold more bytes than its data region of "
+                f"{len(self.data)}: some overlap"
+            )
         if offset % _ALIGN:
             raise WireError(f"tensor data at offset {offset} is not {_ALIGN}-byte aligned")
         if numel == 0:
@@ -192,9 +204,12 @@ class _Decoder:
             array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
             if dtype == torch.bool and array.view(np.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
-            if nbytes <= COPY_BELOW:  # memory of its own at once, with no torch call
+            if nbytes <= COPY_BELOW:  # memory of its own at once (torch's: it can grow)
                 self.regions.append((offset, offset + nbytes))
-                return torch.from_numpy(array.reshape(shape).copy())
+                # (numpy may not write it: a storage numpy shares never grows, so memmove)
+                tensor = torch.empty(shape, dtype=dtype)
+                ctypes.memmove(tensor.data_ptr(), array.ctypes.data, nbytes)
+                return tensor
             tensor = torch.from_numpy(array.reshape(shape))
         else:
             flat = torch.frombuffer(self.data, dtype=dtype, count=numel, offset=offset)

@@ -106,7 +106,12 @@ def run_on_meta(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, An
     the nearest-neighbour upsamplings pass an int to `torch._check` for an empty input
     (TypeError "cond must be a bool"), where the CPU kernel returns an empty, contiguous
     batch, or refuses an input empty in any other dimension."""
-    if op in _NEAREST and args and isinstance(args[0], torch.Tensor) and args[0].numel() == 0:
+    if (
+        op in NEAREST_UPSAMPLINGS
+        and args
+        and isinstance(args[0], torch.Tensor)
+        and args[0].numel() == 0
+    ):
         x = args[0]
         if 0 in x.shape[1:]:
             raise RuntimeError(
@@ -119,7 +124,7 @@ def run_on_meta(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, An
     return op(*args, **kwargs)
 
 
-_NEAREST = frozenset(
+NEAREST_UPSAMPLINGS = frozenset(
     getattr(getattr(torch.ops.aten, f"{name}{d}d"), overload)
     for name in ("upsample_nearest", "_upsample_nearest_exact")
     for d in (1, 2, 3)

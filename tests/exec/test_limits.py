@@ -794,6 +794,26 @@ def test_a_nearest_upsampling_of_an_empty_batch_is_checked_by_the_cpu_kernels_ru
                 assert reply["returns"][0][1].shape == want == ops.resolve(op)(x, size).shape
 
 
+def test_a_nearest_upsampling_of_an_empty_batch_is_made_without_its_kernel():
+    # The CPU kernel builds an 8-byte index per output position even for an empty batch,
+    # charged nothing (the result holds no element): 2**26 positions took 512 MB, 2**40
+    # failed to allocate 8 TB. The result is an empty tensor of that shape.
+    with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[1, torch.randn(0, 1, 4)]]})[
+            "ok"
+        ]
+        for plan, size in enumerate([2**10, 2**40]):
+            steps = [hostile.call("aten::upsample_nearest1d.default", [Slot(0), [size]], [1]),
+                     ["return", 1]]  # fmt: skip
+            reply = Peer(grid).request(
+                "w0", hostile.run(steps, [1, 2 + plan], plan=plan, run_id=1 + plan)
+            )
+            assert reply["ok"], reply
+            assert reply["returns"][0][1].shape == (0, 1, size)
+        want = torch.ops.aten.upsample_nearest1d.default(torch.randn(0, 1, 4), [2**10])
+        assert want.shape == (0, 1, 2**10)
+
+
 def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> None:
     peer = Peer(grid)
     reply = peer.request("w0", hostile.run(steps, slots, plan=len(slots)))

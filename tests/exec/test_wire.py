@@ -228,6 +228,33 @@ def test_each_tensor_of_a_message_of_several_has_memory_of_its_own(dtype):
     assert torch.equal(got, small) and _inside(got, alone) == (dtype not in wire._NUMPY)
 
 
+def test_tensors_adding_up_to_more_than_the_data_region_are_refused_before_any_is_copied(
+    monkeypatch,
+):
+    # 16,384 small tensors over one 64 KiB region: each was copied (1 GiB in all) before
+    # the overlap check after the header refused the message
+    read = []
+    tensor = wire._Decoder.tensor
+    monkeypatch.setattr(
+        wire._Decoder, "tensor", lambda self, obj: read.append(obj) or tensor(self, obj)
+    )
+    header = {"kind": "put", "values": [[i, tensor_ref("uint8", [1 << 16], 0, 1 << 16)]
+                                        for i in range(1 << 14)]}  # fmt: skip
+    with pytest.raises(wire.WireError, match="more bytes than its data region"):
+        wire.decode(frame(header, bytes(1 << 16)))
+    assert len(read) == 2
+
+
+@pytest.mark.parametrize("n", [3, 1 << 12], ids=["alone", "small"])
+def test_a_small_tensor_received_can_grow_as_torch_lets_it(n):
+    # a copy in memory numpy made (or a view of the message) is a storage resize_ refused
+    t = torch.arange(n, dtype=torch.float32)
+    values = [[1, t]] if n == 3 else [[1, t], [2, t + 1]]
+    got = wire.decode(wire.encode({"kind": "put", "values": values}))["values"][0][1]
+    got.resize_(n + 5)
+    assert torch.equal(got[:n], t)
+
+
 def test_a_data_region_larger_than_its_tensors_is_refused():
     header = {"kind": "put", "values": [[1, tensor_ref("float32", [1], 0, 4)]]}
     with pytest.raises(wire.WireError, match="no tensor covers"):
