@@ -951,8 +951,6 @@ class Run:
             work = self.check_footprint(call, ahead, resolved, kw)
         if work >= call.threads_matter_from:
             intraop.use_threads_for(work, call.threads_matter_from)
-        if call.resizes:  # (its storage may be memory torch cannot grow: see own_storage)
-            self.s.store.own_storage(resolved[0])
         result = call.run(self.s.rng, resolved, kw)
         if call.one_out and type(result) is torch.Tensor:  # the common case, as below
             check_bounds(result)

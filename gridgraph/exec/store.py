@@ -46,23 +46,6 @@ class ObjectStore:
             self.stored_bytes += storage.nbytes() - entry[0]
             entry[0] = storage.nbytes()
 
-    def own_storage(self, tensor: torch.Tensor) -> None:
-        """Move `tensor`'s storage, and every value here that holds it, to memory torch
-        allocates, if it is memory torch cannot grow (a received tensor can view the message
-        it came in): `resize_` grows a storage in place, and torch refuses to on such one.
-        The values keep their layouts and stay views of one another."""
-        old = tensor.untyped_storage()
-        if old.resizable():
-            return
-        new = torch.empty(old.nbytes(), dtype=torch.uint8).untyped_storage()
-        new.copy_(old)
-        holders = [t for t in self._objects.values() if t.untyped_storage()._cdata == old._cdata]
-        for t in {id(t): t for t in [tensor, *holders]}.values():
-            t.set_(new, t.storage_offset(), t.shape, t.stride())
-        entry = self._storages.pop(old._cdata, None)
-        if entry is not None:
-            self._storages[new._cdata] = entry
-
     def get(self, vid: int) -> torch.Tensor:
         try:
             return self._objects[vid]
