@@ -202,6 +202,7 @@ def _upsample_nearest(op: torch._ops.OpOverload, args: list, kwargs: dict) -> An
     x = args[0] if args else None
     if isinstance(x, torch.Tensor) and x.numel() == 0:
         shaped = run_on_meta(op, [x.to("meta"), *args[1:]], kwargs)
+        op(x, [1] * (x.dim() - 2))  # what the kernel refuses of its dtype, at no cost
         return torch.empty(shaped.shape, dtype=shaped.dtype)
     return op(*args, **kwargs)
 

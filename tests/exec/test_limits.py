@@ -812,6 +812,15 @@ def test_a_nearest_upsampling_of_an_empty_batch_is_made_without_its_kernel():
             assert reply["returns"][0][1].shape == (0, 1, size)
         want = torch.ops.aten.upsample_nearest1d.default(torch.randn(0, 1, 4), [2**10])
         assert want.shape == (0, 1, 2**10)
+        # a dtype the kernel takes none of is refused as torch refuses it
+        ints = torch.zeros(0, 1, 4, dtype=torch.int64)
+        with pytest.raises(NotImplementedError) as refused:
+            torch.ops.aten.upsample_nearest1d.default(ints, [3])
+        assert Peer(grid).request("w0", {"kind": "put", "values": [[5, ints]]})["ok"]
+        steps = [hostile.call("aten::upsample_nearest1d.default", [Slot(0), [3]], [1]),
+                 ["return", 1]]  # fmt: skip
+        reply = Peer(grid).request("w0", hostile.run(steps, [5, 6], plan=9, run_id=9))
+        assert not reply["ok"] and str(refused.value) in reply["error"]["message"], reply
 
 
 def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> None:

@@ -297,11 +297,18 @@ def _resize_and_restride(a):
     return b, a.shape, a.clone()
 
 
+def _grow(a):
+    n, view = len(a), a[1:3]
+    a.resize_(n + 5)  # grows: a received tensor's storage must be memory torch can grow
+    a[1:3].fill_(5.0)
+    return a.shape, a[:n].clone(), view.clone()
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 @pytest.mark.parametrize(
     "fn, inputs",
-    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),))],
-    ids=["squeeze_unsqueeze_transpose", "as_strided_resize"],
+    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),)), (_grow, (r(3),))],
+    ids=["squeeze_unsqueeze_transpose", "as_strided_resize", "grow_small"],
 )
 def test_in_place_shape_changes_match_torch(grid, fn, inputs, traced):
     """In-place ops that change shape or strides rebind the pointer with the new layout."""
