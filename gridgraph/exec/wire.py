@@ -15,8 +15,9 @@ COPY_BELOW bytes, of the dtypes numpy shares, are always copied as they are read
 memory torch allocates (`resize_` can grow it): one torch call instead of two for
 a view copied later (see `_NUMPY`).
 
-Tensors of the dtypes numpy shares (all but bfloat16) are packed and unpacked through numpy,
-without torch calls: each of those releases the interpreter lock (see `_NUMPY`).
+Tensors are packed by reading their memory where it lies, and those of the dtypes numpy
+shares (all but bfloat16) unpacked through numpy, without torch calls: each of those
+releases the interpreter lock (see `_NUMPY`).
 
 Nothing received is unpickled, evaluated or imported. Every non-msgpack value travels as an
 extension type that decodes to a plain value from a fixed table:
@@ -100,22 +101,23 @@ class WireError(ValueError):
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
-    if (
-        t.dtype in _NUMPY
-        and t.is_cpu
+    if not (
+        t.is_cpu
         and t.layout == torch.strided
         and not t.requires_grad
         and not t.is_conj()
         and not t.is_neg()
         and t.is_contiguous()
-        and t.dim() <= _NUMPY_MAX_DIMS
-    ):  # the usual case, read through numpy (see _NUMPY)
-        return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")
-    dense = t.detach().resolve_conj().resolve_neg().contiguous()  # lazy x.conj(): its values
-    # as_strided: a contiguous tensor may keep any stride on a dimension of size 1 (x.expand
-    # of one element has stride 0), which view(uint8) refuses.
-    flat = dense.as_strided((dense.numel(),), (1,))
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    ):  # (the usual case is read as it is, with no torch call)
+        t = t.detach().resolve_conj().resolve_neg().contiguous()  # lazy x.conj(): its values
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(b"")
+    # Read in place, not through `t.numpy()`: that marks the storage as one torch may never
+    # grow, and a worker refused `resize_` on every value it had sent or returned.
+    memory = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    memory.tensor = t  # (kept alive as long as a view of its bytes)
+    return memoryview(memory).cast("B")
 
 
 _ALIGN = 64

@@ -255,6 +255,17 @@ def test_a_small_tensor_received_can_grow_as_torch_lets_it(n):
     assert torch.equal(got[:n], t)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sending_a_tensor_leaves_its_storage_growable(dtype):
+    # read through .numpy(), a storage was marked as one torch never grows: a worker then
+    # refused resize_ on every value it had sent or returned
+    t = torch.arange(3).to(dtype)
+    payload = wire.encode({"kind": "put", "values": [[1, t]]})
+    assert torch.equal(wire.decode(payload)["values"][0][1], t)
+    t.resize_(100)
+    assert torch.equal(t[:3], torch.arange(3).to(dtype))
+
+
 def test_a_data_region_larger_than_its_tensors_is_refused():
     header = {"kind": "put", "values": [[1, tensor_ref("float32", [1], 0, 4)]]}
     with pytest.raises(wire.WireError, match="no tensor covers"):

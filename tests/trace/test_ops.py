@@ -304,12 +304,19 @@ def _grow(a):
     return a.shape, a[:n].clone(), view.clone()
 
 
+def _grow_after_read(a):
+    before = a.tolist()  # the worker sends its bytes
+    a.resize_(len(before) + 5)
+    return a[: len(before)].clone()
+
+
 @pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
 @pytest.mark.parametrize(
     "fn, inputs",
-    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),)), (_grow, (r(3),))],
-    ids=["squeeze_unsqueeze_transpose", "as_strided_resize", "grow_small"],
-)
+    [(_shape_in_place, (r(3, 2), r(2, 3))), (_resize_and_restride, (r(6),)), (_grow, (r(3),)),
+     (_grow_after_read, (r(3),))],
+    ids=["squeeze_unsqueeze_transpose", "as_strided_resize", "grow_small", "grow_after_read"],
+)  # fmt: skip
 def test_in_place_shape_changes_match_torch(grid, fn, inputs, traced):
     """In-place ops that change shape or strides rebind the pointer with the new layout."""
     check(grid, fn, *inputs, traced=traced, exact=True)
