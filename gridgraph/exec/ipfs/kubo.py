@@ -30,6 +30,7 @@ import base64
 import http.client
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -41,7 +42,7 @@ from typing import Any
 from ipfshttpclient.http_common import multiaddr_to_url_data
 
 MAX_BLOCK_SIZE = 1 << 20
-PUBLISH_TRIES = 8  # a publish Kubo refused as "validation ignored" is sent again (see pubsub_pub)
+PUBLISH_TRIES = 16  # a publish Kubo refused as "validation ignored" is sent again (pubsub_pub)
 API_BASE = "api/v0"
 
 
@@ -233,7 +234,9 @@ class Kubo:
 
         One refused with "validation ignored" (Kubo was still validating another publish
         through this node, from any thread or process) never went out: it is sent again,
-        PUBLISH_TRIES times at most."""
+        PUBLISH_TRIES times at most, after a wait that doubles up to 64 ms, drawn at random
+        around that so that publishers refused together do not try again together (with
+        fixed waits, 4 threads publishing at once had one publish refused 8 times running)."""
         for attempt in range(PUBLISH_TRIES):
             try:
                 self._call("/pubsub/pub", [mb_encode(topic.encode())], data=data, decoder="none")
@@ -241,7 +244,7 @@ class Kubo:
             except KuboError as e:
                 if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
                     raise
-                time.sleep(0.001 * 2**attempt)
+                time.sleep(0.001 * 2 ** min(attempt, 6) * random.uniform(0.5, 1.5))
 
     def pubsub_sub(self, topic: str) -> Subscription:
         """Open a subscription stream; the topic is subscribed once this returns."""
