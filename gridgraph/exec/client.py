@@ -463,11 +463,14 @@ class Client:
         where = "<unknown>"
         slot = error.get("slot")
         if isinstance(slot, int) and slot < len(slots):
-            value = self.graph.values.get(slots[slot])
+            vid = slots[slot]
+            value = self.graph.values.get(vid)
             if value is not None and value.producer is not None:
                 node = self.graph.pending.get(value.producer)
-                if node is not None:
-                    where = node.meta.get("where", where)
+            else:  # a data-dependent call's outputs have no values until it has run
+                node = next((n for n in self.graph.pending.values() if vid in n.outputs), None)
+            if node is not None:
+                where = node.meta.get("where", where)
             if where_of:
                 where = where_of.get(slot, where)
         return RemoteError(

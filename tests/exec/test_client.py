@@ -108,6 +108,17 @@ def test_remote_error_names_worker_op_and_user_line(grid):
     assert torch.equal((a * 0).get(), torch.zeros(3, 4))
 
 
+@pytest.mark.parametrize("traced", [True, False], ids=["traced", "eager"])
+def test_a_call_that_runs_at_once_names_the_user_line_it_failed_at(local_grid, traced):
+    # a call whose meta kernel refused runs at once, as one with data-dependent output;
+    # its outputs have no values yet, and its error read "recorded at <unknown>"
+    a = gg.send(torch.randn(2, 3), local_grid.workers[0])
+    with pytest.raises(gg.RemoteError) as info:
+        with gg.trace() if traced else contextlib.nullcontext():
+            torch.mm(a, a)  # the shapes do not match: torch's meta kernel says so
+    assert info.value.where.endswith(f"test_client.py:{_line_of('torch.mm(a, a)  # the')}")
+
+
 def _line_of(text: str) -> int:
     with open(__file__) as f:
         for i, line in enumerate(f, 1):
