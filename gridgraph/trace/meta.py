@@ -101,27 +101,49 @@ class OutputSpec(NamedTuple):
 def run_on_meta(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """`op(*args, **kwargs)` on meta-device arguments, as the CPU kernel would shape it.
 
-    Where torch's meta kernel is wrong, the CPU kernel's rule stands in for it (the client
-    records by this and workers check by it, so both must agree with what the op gives):
-    the nearest-neighbour upsamplings pass an int to `torch._check` for an empty input
-    (TypeError "cond must be a bool"), where the CPU kernel returns an empty, contiguous
-    batch, or refuses an input empty in any other dimension."""
-    if (
-        op in NEAREST_UPSAMPLINGS
-        and args
-        and isinstance(args[0], torch.Tensor)
-        and args[0].numel() == 0
-    ):
-        x = args[0]
-        if 0 in x.shape[1:]:
-            raise RuntimeError(
-                f"Non-empty {x.dim()}D data tensor expected but got a tensor with sizes "
-                f"{list(x.shape)}"
-            )
-        # Its sizes and arguments checked on a batch of one, then the empty batch.
-        one = op(x.new_empty((1, *x.shape[1:])), *args[1:], **kwargs)
-        return one.new_empty((0, *one.shape[1:]))
+    Where torch's meta kernel is wrong about an empty input, the CPU kernel's rule stands in
+    for it (`_EMPTY_INPUT_RULES`): the client records by this and workers check by it, so
+    both must agree with what the op gives."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.numel() == 0:
+        rule = _EMPTY_INPUT_RULES.get(op)
+        if rule is not None:
+            return rule(op, x, list(args[1:]), kwargs)
     return op(*args, **kwargs)
+
+
+def _nearest_upsampling(op: torch._ops.OpOverload, x: torch.Tensor, rest: list, kwargs: dict):
+    """Meta passes an int to `torch._check` (TypeError "cond must be a bool"); the CPU kernel
+    returns an empty, contiguous batch, and refuses an input empty in any other dimension."""
+    if 0 in x.shape[1:]:
+        raise RuntimeError(
+            f"Non-empty {x.dim()}D data tensor expected but got a tensor with sizes {list(x.shape)}"
+        )
+    # Its sizes and arguments checked on a batch of one, then the empty batch.
+    one = op(x.new_empty((1, *x.shape[1:])), *rest, **kwargs)
+    return one.new_empty((0, *one.shape[1:]))
+
+
+def _pixel_unshuffle(op: torch._ops.OpOverload, x: torch.Tensor, rest: list, kwargs: dict):
+    """Meta reshapes an empty input (and skips the divisibility checks); the CPU kernel checks
+    it, then returns an empty tensor of the input's own shape."""
+    factor = rest[0] if rest else kwargs.get("downscale_factor")
+    stand_in = [s or factor for s in x.shape] if type(factor) is int and factor > 0 else x.shape
+    op(x.new_empty(stand_in), *rest, **kwargs)  # (0 is divisible by anything: a factor is)
+    return x.new_empty(x.shape)
+
+
+def _vector_norm(op: torch._ops.OpOverload, x: torch.Tensor, rest: list, kwargs: dict):
+    """Meta refuses an inf norm of an empty input over a negative dim even where that dim is
+    not empty (it checks the dim before wrapping it); the CPU kernel reduces it."""
+    dims = rest[1] if len(rest) > 1 else kwargs.get("dim")
+    if isinstance(dims, list) and x.dim() and all(type(d) is int for d in dims):
+        wrapped = [d % x.dim() if -x.dim() <= d < 0 else d for d in dims]
+        if len(rest) > 1:
+            rest = [rest[0], wrapped, *rest[2:]]
+        else:
+            kwargs = {**kwargs, "dim": wrapped}
+    return op(x, *rest, **kwargs)
 
 
 NEAREST_UPSAMPLINGS = frozenset(
@@ -130,6 +152,11 @@ NEAREST_UPSAMPLINGS = frozenset(
     for d in (1, 2, 3)
     for overload in ("default", "vec")
 )
+_EMPTY_INPUT_RULES = {
+    **dict.fromkeys(NEAREST_UPSAMPLINGS, _nearest_upsampling),
+    torch.ops.aten.pixel_unshuffle.default: _pixel_unshuffle,
+    torch.ops.aten.linalg_vector_norm.default: _vector_norm,
+}
 
 
 def infer(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> OutputSpec:

@@ -250,7 +250,21 @@ EMPTY_CASES = {
     "views": (lambda a: (a.t(), a.view(3, 0), a[:, 1:], a.unsqueeze(1)), r(0, 3)),
     "inplace": (lambda a: a.add_(1).mul_(2), r(2, 0)),
     "empty_to_full": (lambda a, b: b + a.sum(), r(0), r(4)),
-    # torch's meta kernels of these raise a TypeError on an empty batch (trace/meta.py)
+    # torch's meta kernels of these are wrong about empty inputs (trace/meta.py): an inf
+    # norm over a negative dim raised, pixel_unshuffle gave another shape than the kernel,
+    # the nearest upsamplings raised a TypeError
+    "inf_norm": (
+        lambda a: (
+            torch.linalg.vector_norm(a, float("inf"), -1),
+            torch.linalg.vector_norm(a, float("-inf"), (-2,), keepdim=True),
+        ),
+        r(0, 5, 3),
+    ),
+    "pixel_unshuffle": (
+        lambda a, b: [(u, u.shape) for u in (F.pixel_unshuffle(a, 3), F.pixel_unshuffle(b, 2))],
+        r(0, 1, 6, 6),
+        r(1, 1, 4, 0),
+    ),
     "nearest_upsampling": (
         lambda a, b, c: (
             F.interpolate(a, size=3),
