@@ -199,15 +199,14 @@ class _Decoder:
             )
         if offset % _ALIGN:
             raise WireError(f"tensor data at offset {offset} is not {_ALIGN}-byte aligned")
+        self.regions.append((offset, offset + nbytes))
         if numel == 0:
-            self.regions.append((offset, offset + nbytes))
             return torch.empty(shape, dtype=dtype)
         if dtype in _NUMPY and len(shape) <= _NUMPY_MAX_DIMS:  # (see _NUMPY)
             array = np.frombuffer(self.data, dtype=_NUMPY[dtype], count=numel, offset=offset)
             if dtype == torch.bool and array.view(np.uint8).max() > 1:
                 raise WireError("a bool tensor holds a byte other than 0 and 1")
             if nbytes <= COPY_BELOW:  # memory of its own at once (torch's: it can grow)
-                self.regions.append((offset, offset + nbytes))
                 # (numpy may not write it: a storage numpy shares never grows, so memmove)
                 tensor = torch.empty(shape, dtype=dtype)
                 ctypes.memmove(tensor.data_ptr(), array.ctypes.data, nbytes)
@@ -221,7 +220,6 @@ class _Decoder:
             # with it the whole region, alive through `own_memory`).
             storage = flat.untyped_storage()
             tensor = torch.empty(0, dtype=dtype).set_(storage, flat.storage_offset(), shape)
-        self.regions.append((offset, offset + nbytes))
         self.views.append(tensor)
         return tensor
 
