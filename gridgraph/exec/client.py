@@ -39,6 +39,7 @@ from gridgraph.errors import (
 )
 from gridgraph.exec import wire
 from gridgraph.exec.ops import OpRefused, resolve
+from gridgraph.exec.resend import AnswerTimes
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import client_topic, worker_topic
@@ -111,6 +112,9 @@ class Client:
         # worker name); a run that cannot fit raises PlacementError before anything is sent.
         self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
+        # How long each plan's runs took: a replayed run whose reply is late by far more is
+        # sent again then, not after retry_after (exec/resend.py).
+        self._answer_times = AnswerTimes()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self.last_slots: list[int] = []  # the value id of each of its slots
         # While gg.compile records a step: called with what is about to need a worker's
@@ -419,7 +423,9 @@ class Client:
             msgs[worker] = msg
         rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
-            replies = self._wait_all(rids)
+            start = time.monotonic()
+            replies = self._wait_all(rids, self._answer_times.wait(plan.id, self.retry_after))
+            self._answer_times.observe(plan.id, time.monotonic() - start)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
                 w: self._send(w, {**msgs[w], "program": plan.programs[w]})
@@ -516,12 +522,14 @@ class Client:
         """The reply to request `rid`, resending it while none comes."""
         return self._wait_all({worker: rid})[worker]
 
-    def _wait_all(self, rids: dict[str, str]) -> dict[str, dict]:
+    def _wait_all(self, rids: dict[str, str], first_wait: float | None = None) -> dict[str, dict]:
         """The replies to several requests (worker -> request id), resending each while its
-        reply does not come. All at once: a worker may wait on another's lost request."""
+        reply does not come: first after `first_wait` s (`retry_after` if None), then after
+        twice as long each time. All at once: a worker may wait on another's lost request."""
         start = time.monotonic()
-        retry = {w: self.retry_after for w in rids}
-        resend = {w: start + self.retry_after for w in rids}
+        first_wait = self.retry_after if first_wait is None else first_wait
+        retry = {w: first_wait for w in rids}
+        resend = {w: start + first_wait for w in rids}
         needed = set(rids.values())
         try:
             with self._cv:
@@ -546,7 +554,8 @@ class Client:
                             resend[w] = now + retry[w]
                     if now - start > self.timeout:
                         raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
-                    self._cv.wait(min(0.25, self.retry_after))
+                    # (and at least every 0.25 s, to notice a worker gone)
+                    self._cv.wait(min(0.25, max(0.0, min(resend[w] for w in waiting) - now)))
         finally:
             with self._cv:
                 self._waiting.remove(needed)

@@ -73,7 +73,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gridgraph.exec import intraop, wire
+from gridgraph.exec import intraop, resend, wire
 from gridgraph.exec.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -110,11 +110,17 @@ class Host(Protocol):
         `transfer_key`)."""
 
     def receive(
-        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+        self,
+        session: Session,
+        key: tuple[int, int, str],
+        peer: str,
+        deadline: float,
+        ask_after: float,
     ) -> dict:
         """The transfer message `key` = (run, its first value id, sending worker) that the
-        identity `peer` sent, waiting until `deadline`; raises UpstreamFailed, TimeoutError
-        or TimeLimitExceeded."""
+        identity `peer` sent, waiting until `deadline`, and asking `peer` to send it again
+        if it has not come after `ask_after` s (bounded by `resend_wait`); raises UpstreamFailed,
+        TimeoutError or TimeLimitExceeded."""
 
 
 log = logging.getLogger("gridgraph.worker")
@@ -126,8 +132,17 @@ FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by 
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
-# ipfs: PubSub drops messages: a recv waiting this long asks the sender to resend.
+# ipfs: PubSub drops messages: a recv waiting this long asks the sender to resend; sooner
+# in a replayed program, whose earlier runs say how long the wait takes (exec/resend.py).
 RESEND_AFTER = 0.5
+
+
+def resend_wait(seconds: float) -> float:
+    """How long a recv waits before it first asks for its transfer again, from what its
+    program asks (`seconds`, an executor's word): at least resend.FLOOR and at most
+    RESEND_AFTER, so that no program makes its worker ask another more often, or later,
+    than that."""
+    return min(RESEND_AFTER, max(resend.FLOOR, seconds))
 
 
 # A transfer message carries the values one `send` step names: {"kind": "transfer", "client",
@@ -576,6 +591,8 @@ class Program:
         # proportion to the program).
         self.whole = Stretch(self.steps, self.calls, 0, len(self.steps))
         recvs = [i for i, step in enumerate(self.steps) if step[0] == "recv"]
+        # How long each recv step waited in earlier runs, by step index (exec/resend.py).
+        self.recv_times = resend.AnswerTimes()
         self.after_recv = {
             i: Stretch(self.steps, self.calls, i + 1, stop)
             for i, stop in zip(recvs, [*recvs[1:], len(self.steps)])
@@ -928,7 +945,7 @@ class Run:
                 elif kind == "send":
                     self.send(step[1], step[2])
                 elif kind == "recv":
-                    self.recv(step[1], step[2])
+                    self.recv(step[1], step[2], program.recv_times, i)
                     # the steps up to the next recv, from what is stored now (`Stretch`)
                     stretch = program.after_recv[i]
                     ahead = stretch.footprint(self.s.store, self.slots, self.params)[2]
@@ -1029,16 +1046,20 @@ class Run:
                "values": [self.slots[slot] for slot in slots], **body}  # fmt: skip
         self.w.transfer(self.s, dst, self.peers[dst], msg)
 
-    def recv(self, slots: list[int], src: str) -> None:
+    def recv(self, slots: list[int], src: str, times: resend.AnswerTimes, index: int) -> None:
         """Receive the values in `slots` from worker `src`, sent in one transfer message by
-        the identity the run names for `src`.
+        the identity the run names for `src`; `times`: how long this recv step (`index`)
+        waited in earlier runs, which says when to ask for the transfer again.
 
         The message must carry exactly these value ids, in this order, and a tensor for each:
         otherwise none of them is stored and the run fails."""
         vids = [self.slots[slot] for slot in slots]
-        deadline = min(time.monotonic() + self.w.recv_timeout, self.deadline)
+        start = time.monotonic()
+        deadline = min(start + self.w.recv_timeout, self.deadline)
+        key, first_ask = (self.run, vids[0], src), times.wait(index, RESEND_AFTER)
         try:
-            got = self.w.receive(self.s, (self.run, vids[0], src), self.peers[src], deadline)
+            got = self.w.receive(self.s, key, self.peers[src], deadline, first_ask)
+            times.observe(index, time.monotonic() - start)
         except TimeoutError:
             if time.monotonic() >= self.deadline:
                 raise TimeLimitExceeded(self.w.limits.max_request_seconds) from None

@@ -96,6 +96,7 @@ from gridgraph.exec.session import (
     encode_reply,
     error_body,
     one_tensor_per_value,
+    resend_wait,
     transfer_key,
 )
 from gridgraph.exec.transport import Transport
@@ -661,20 +662,31 @@ class Worker:
         self._publish(session, worker_topic(dst), payload, counted=True, to=peer)
 
     def receive(
-        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+        self,
+        session: Session,
+        key: tuple[int, int, str],
+        peer: str,
+        deadline: float,
+        ask_after: float,
     ) -> dict:
         """The transfer `key` = (run, value id, sending worker) that identity `peer` sent
         for `session` (see Host)."""
-        return wire.decode(self.wait_transfer(session, key, peer, deadline))
+        return wire.decode(self.wait_transfer(session, key, peer, deadline, ask_after))
 
     def wait_transfer(
-        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+        self,
+        session: Session,
+        key: tuple[int, int, str],
+        peer: str,
+        deadline: float,
+        ask_after: float,
     ) -> bytes:
         """The transfer `key` from the worker it names, sent by identity `peer`, as received;
         give up once that worker or the client is gone (or at `deadline`), asking `peer` for
-        a resend now and then (ipfs)."""
+        a resend (ipfs) after `ask_after` s (as `session.resend_wait` bounds it), then after
+        twice as long each time."""
         run, vid, src = key
-        wait = RESEND_AFTER
+        wait = resend_wait(ask_after)
         ask = time.monotonic() + wait
         with session.cv:
             while not session.has_transfer(key, peer):

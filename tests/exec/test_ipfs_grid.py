@@ -204,6 +204,44 @@ def test_dropped_requests_and_replies_are_resent(kubo_nodes, ipfs_workers):
         assert tap.dropped >= 6
 
 
+def test_a_replayed_step_whose_run_was_lost_is_resent_after_its_learned_wait(
+    kubo_nodes, ipfs_workers
+):
+    # With a fixed wait of 0.5 s, one PubSub loss in a dozen messages made a 13 ms step's
+    # mean four times its median. The wait here is a minute: the step ends within seconds
+    # only if the client learned how long the step's runs take (exec/resend.py).
+    armed, dropped = threading.Event(), []
+
+    def one_run_dropped(topic: str, payload: bytes) -> int:
+        if armed.is_set() and not dropped and wire.decode(payload).get("kind") == "run":
+            dropped.append(topic)
+            return 0
+        return 1
+
+    tap = Tap(GridTransport(kubo_nodes[0].api, deliver_own=True), one_run_dropped)
+    with grid_over(tap, workers=["w1"], timeout=120, retry_after=60) as grid:
+        b = torch.randn(4)
+        x = b.send(grid.workers[0])
+        step = gg.compile(lambda w: w * 0.5 + x)
+        w, expected, finished = torch.zeros(4).send(grid.workers[0]), torch.zeros(4), []
+
+        def train() -> None:
+            nonlocal w
+            for i in range(8):
+                if i == 5:
+                    armed.set()
+                w = step(w)
+            finished.append(w.get())
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert finished and dropped, "the step that lost its run waited for the fixed 60 s"
+        for _ in range(8):
+            expected = expected * 0.5 + b
+        assert torch.equal(finished[0], expected) and step.replays > 0
+
+
 # --- identity and hostile input -------------------------------------------------------------
 
 

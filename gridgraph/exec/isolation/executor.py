@@ -47,9 +47,12 @@ size of the message in the sender's shared file):
                                                 `dst`, sealed for identity `peer` (value: the
                                                 first value id the transfer carries); answered
                                                 ["ack"] if its data was in the shared file
-    ["recv", run, value, src, peer, seconds]    answered ["recv-ok"] + data (the transfer
+    ["recv", run, value, src, peer, seconds, ask_after]
+                                                answered ["recv-ok"] + data (the transfer
                                                 identity `peer` sent), or
-                                                ["recv-error", "upstream" | "timeout", text]
+                                                ["recv-error", "upstream" | "timeout", text];
+                                                ask_after: when to ask `peer` to send it
+                                                again (session.resend_wait bounds it)
     (`peer`: the identity the run's client named for that worker, session.py)
     ["exit"]
 """
@@ -188,7 +191,7 @@ class Executor:
                     if _in_file(data):  # it may write the shared file again
                         self.channel.send(["ack"])
                     worker.publish_transfer(session, str(dst), str(peer), (run, value), data)
-                elif frame[0] == "recv" and len(frame) == 6 and _recv_frame(frame):
+                elif frame[0] == "recv" and len(frame) == 7 and _recv_frame(frame):
                     self._recv(worker, session, frame, kill_at)
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
@@ -199,11 +202,11 @@ class Executor:
 
     def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
         """Answer a `recv` frame (checked by `_recv_frame`) with the transfer it waits for."""
-        _, run, value, src, peer, seconds = frame
+        _, run, value, src, peer, seconds, ask_after = frame
         key = (int(run), int(value), str(src))
         deadline = min(time.monotonic() + float(seconds), kill_at)
         try:
-            payload = worker.wait_transfer(session, key, str(peer), deadline)
+            payload = worker.wait_transfer(session, key, str(peer), deadline, float(ask_after))
         except UpstreamFailed as e:
             self.channel.send(["recv-error", "upstream", str(e)])
         except TimeoutError as e:
@@ -350,16 +353,16 @@ def _own_transfer(data: bytearray, client: str, src: str, run: int, value: int) 
 
 
 def _recv_frame(frame: list) -> bool:
-    """Whether a `recv` frame names a run, a value id and two names, and waits a finite,
-    non-negative number of seconds (a NaN made its wait spin on the lock for ever)."""
-    _, run, value, src, peer, seconds = frame
+    """Whether a `recv` frame names a run, a value id and two names, and waits, and asks
+    again after, finite, non-negative numbers of seconds (a NaN made its wait spin on the
+    lock for ever)."""
+    _, run, value, src, peer, seconds, ask_after = frame
     return (
         _count(run)
         and _count(value)
         and isinstance(src, str)
         and isinstance(peer, str)
-        and type(seconds) in (int, float)
-        and 0 <= seconds < math.inf
+        and all(type(t) in (int, float) and 0 <= t < math.inf for t in (seconds, ask_after))
     )
 
 
@@ -448,11 +451,16 @@ class _ExecutorHost:
                 raise ValueError(f"expected an ack, got {frame!r:.60}")
 
     def receive(
-        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float
+        self,
+        session: Session,
+        key: tuple[int, int, str],
+        peer: str,
+        deadline: float,
+        ask_after: float,
     ) -> dict:
         run, value, src = key
         seconds = max(0.0, deadline - time.monotonic())
-        self.channel.send(["recv", run, value, src, peer, seconds])
+        self.channel.send(["recv", run, value, src, peer, seconds, ask_after])
         frame, data = self.channel.receive({})
         if frame[0] == "recv-ok":
             return wire.decode(data)

@@ -162,9 +162,11 @@ def _forged(**fields: object) -> bytes:
     "frame",
     [
         ["reply", -(2**62), b"x"],  # it would hold less than nothing: any inbox fitted
-        ["recv", 1, 1, "w1", "w1", float("nan")],  # its wait spun on the lock for ever
-        ["recv", 1, 1, "w1", "w1", float("inf")],
-        ["recv", 1, 1, "w1", 5, 1.0],
+        ["recv", 1, 1, "w1", "w1", float("nan"), 0.1],  # its wait spun on the lock for ever
+        ["recv", 1, 1, "w1", "w1", float("inf"), 0.1],
+        ["recv", 1, 1, "w1", "w1", 1.0, float("nan")],  # when to ask again: as a wait
+        ["recv", 1, 1, "w1", "w1", 1.0],  # the frame of before asks were learned
+        ["recv", 1, 1, "w1", 5, 1.0, 0.1],
         ["transfer", "w1", "w1", -1, 0, b"x"],
         ["transfer", "w1", "w1", 1, 0],  # no data
         ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, none written
@@ -177,6 +179,8 @@ def _forged(**fields: object) -> bytes:
         "negative-held",
         "nan-wait",
         "endless-wait",
+        "nan-ask",
+        "short-frame",
         "unnamed-peer",
         "negative-run",
         "no-data",

@@ -1,0 +1,58 @@
+"""When to ask again for an answer a lossy transport may have dropped: waits learned per step.
+
+State: per key (a plan, for the client waiting on its replies; a recv step of a program, for
+a worker waiting on a transfer), the smoothed time the answer took and its mean deviation,
+as TCP estimates a round trip (RFC 6298: gains 1/8 and 1/4).
+
+Policy: the first ask comes after twice the smoothed time plus four deviations, at least
+FLOOR s, and never later than the caller's default (the client's `retry_after`, a worker's
+RESEND_AFTER); a key with no history waits the default. Every answer is a sample, resent or
+not: the one that came after a resend is late by the wait, which widens the next waits a
+little until the samples settle again (no loss goes unmeasured, and a step that really got
+slower is learned, not resent every time).
+
+Why: Kubo drops 0.5-3% of PubSub messages (a node validating two messages from one origin at
+once keeps the later). A replayed multinode step of 13 ms has about ten messages, so about
+one step in twelve lost one, and with a fixed wait of 0.5 s the mean step was four times the
+median. Asking again costs little: a repeated request id never runs twice, and a repeated
+transfer request is answered from the sender's kept copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+FLOOR = 0.02  # seconds: no wait is shorter (a resend costs the worker a decode, Kubo a publish)
+KEYS_KEPT = 1024  # keys remembered, least recently used dropped
+
+
+class AnswerTimes:
+    """Learned answer times by key: `wait(key, default)` before asking again, `observe(key,
+    seconds)` once the answer came."""
+
+    def __init__(self) -> None:
+        self._times: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
+
+    def wait(self, key: Hashable, default: float) -> float:
+        """Seconds to wait for the answer before the first ask again."""
+        learned = self._times.get(key)
+        if learned is None:
+            return default
+        smoothed, deviation = learned
+        return min(default, max(FLOOR, 2 * smoothed + 4 * deviation))
+
+    def observe(self, key: Hashable, seconds: float) -> None:
+        """The answer for `key` took `seconds`."""
+        learned = self._times.pop(key, None)
+        if learned is None:
+            learned = (seconds, seconds / 2)
+        else:
+            smoothed, deviation = learned
+            learned = (
+                smoothed + (seconds - smoothed) / 8,
+                deviation + (abs(seconds - smoothed) - deviation) / 4,
+            )
+        self._times[key] = learned
+        if len(self._times) > KEYS_KEPT:
+            self._times.popitem(last=False)

@@ -1,0 +1,145 @@
+"""Asking again for what a lossy transport dropped, after waits learned per replayed step
+(gridgraph/exec/resend.py).
+
+The end-to-end tests drop one message of a replayed step on a local bus and make the fixed
+waits a minute long: the step still ends within seconds, with plain torch's values, only if
+the client (a lost run message) or the receiving worker (a lost transfer) asked again after
+the wait its earlier runs taught it.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import gridgraph as gg
+from gridgraph.exec import session, wire
+from gridgraph.exec import worker as worker_module
+from gridgraph.exec.client import Client
+from gridgraph.exec.grid import Grid
+from gridgraph.exec.limits import Limits
+from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
+from gridgraph.exec.transport import LocalBus
+from gridgraph.exec.worker import Worker
+
+LONG = 60.0  # the fixed waits, in seconds: far longer than any test waits for a step
+
+
+def test_a_key_never_answered_waits_the_default():
+    assert AnswerTimes().wait("step", 0.5) == 0.5
+
+
+def test_waits_follow_the_answer_times_between_the_floor_and_the_default():
+    times = AnswerTimes()
+    for _ in range(30):
+        times.observe("steady", 0.01)
+        times.observe("instant", 1e-5)
+        times.observe("slow", 2.0)
+    assert 0.02 <= times.wait("steady", 0.5) < 0.03  # twice the time, the deviation gone
+    assert times.wait("instant", 0.5) == FLOOR
+    assert times.wait("slow", 0.5) == 0.5  # never later than without learning
+
+
+def test_a_step_that_got_slower_is_learned_not_resent_every_time():
+    times = AnswerTimes()
+    for _ in range(30):
+        times.observe("step", 0.01)
+    for _ in range(30):
+        times.observe("step", 0.1)
+    assert times.wait("step", 10.0) > 0.15
+
+
+def test_answer_times_are_kept_for_a_bounded_number_of_keys():
+    times = AnswerTimes()
+    for key in range(KEYS_KEPT + 1):
+        times.observe(key, 0.01)
+    assert times.wait(0, 0.5) == 0.5  # the least recently used went
+    assert times.wait(KEYS_KEPT, 0.5) < 0.5
+
+
+class LossyBus(LocalBus):
+    """A local bus that drops the first message of `kind` published once `armed` is set."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.armed, self.dropped = kind, False, 0
+
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
+        if self.armed and not self.dropped and wire.decode(payload).get("kind") == self.kind:
+            self.dropped += 1
+            return
+        super()._deliver(sender, topic, payload, to)
+
+
+def lossy_grid(bus: LossyBus) -> Grid:
+    names = ["w0", "w1"]
+    workers = [Worker(name, bus.endpoint(name), limits=Limits.unlimited()) for name in names]
+    client = Client(bus.endpoint("client"), names, retry_after=LONG)
+
+    def stop_workers() -> None:
+        for w in workers:
+            w.close()
+
+    return Grid(client, on_close=stop_workers, local_workers=workers)
+
+
+def train(grid: Grid, bus: LossyBus, steps: int = 8, warm_up: int = 5) -> torch.Tensor:
+    """Least squares by gradient descent, the data on w1 and the weights on w0, so that every
+    step has transfers both ways; drops a message from the step after `warm_up` on.
+    Returns the weights, checked against plain torch."""
+    torch.manual_seed(0)
+    X, Y = torch.randn(16, 3), torch.randn(16, 1)
+    x, y = X.send(grid.workers[1]), Y.send(grid.workers[1])
+
+    def step(w):
+        with gg.on(grid.workers[1]):
+            g = x.T @ (x @ w - y)
+        with gg.on(grid.workers[0]):
+            return w - 0.01 * g
+
+    compiled = gg.compile(step)
+    w = torch.zeros(3, 1).send(grid.workers[0])
+    expected = torch.zeros(3, 1)
+    finished = threading.Event()
+
+    def run() -> None:
+        nonlocal w
+        for i in range(steps):
+            bus.armed = bus.armed or i == warm_up
+            w = compiled(w)
+        finished.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert finished.is_set(), f"a step that lost a {bus.kind} waited for the fixed {LONG} s"
+    assert bus.dropped == 1 and compiled.replays > 0
+    for _ in range(steps):
+        expected = expected - 0.01 * (X.T @ (X @ expected - Y))
+    torch.testing.assert_close(w.get(), expected)
+    return w
+
+
+def test_a_replayed_step_whose_run_message_was_lost_is_resent_after_its_learned_wait():
+    bus = LossyBus("run")
+    with lossy_grid(bus) as grid:
+        train(grid, bus)
+
+
+def test_a_replayed_step_whose_transfer_was_lost_asks_for_it_after_its_learned_wait(
+    monkeypatch,
+):
+    # (in-process: an executor, forked from a forkserver started before the patch, would
+    # keep the default of 0.5 s; its recv frame carries the learned wait, see test_executor)
+    monkeypatch.setattr(session, "RESEND_AFTER", LONG)
+    monkeypatch.setattr(worker_module, "RESEND_AFTER", LONG)
+    bus = LossyBus("transfer")
+    with lossy_grid(bus) as grid:
+        train(grid, bus)
+
+
+def test_no_program_makes_its_worker_ask_again_sooner_than_the_floor_or_later_than_the_default():
+    # (an executor names the wait in its recv frame: a taken-over one may name any number)
+    assert session.resend_wait(0.0) == FLOOR
+    assert session.resend_wait(1e9) == session.RESEND_AFTER
