@@ -5,7 +5,8 @@ Run: python bench/bench_trace.py [--hidden 1024] [--steps 10]
 Prints, for an MLP whose layers are spread over 3 local workers:
   - recording overhead per recorded op (us) and its ratio to plain torch's own cost per op
     for the same step, measured on a small model so that recording, not arithmetic,
-    dominates;
+    dominates; next to it, the floor of any recorder on torch's Python dispatch: the same
+    step on tensor subclasses that record nothing (`dispatch_floor`);
   - messages per training step;
   - wall time per step next to the same step in plain torch, as a ratio, in one run.
 
@@ -74,6 +75,77 @@ def plain_steps(model, opt, X, Y, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
+class _Shaped(torch.Tensor):
+    """A tensor with a shape and no data, every op on which returns new ones, shaped from a
+    cache of the op's meta outputs: the least any recorder built on torch's Python dispatch
+    does per op (no graph, no ids, no pointers). See `dispatch_floor`."""
+
+    outputs: dict = {}  # (op, shapes and values of its arguments) -> its outputs on meta
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> _Shaped:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device="cpu"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        key = (func, *map(_shape_key, args))
+        if kwargs:
+            key += tuple(map(_shape_key, kwargs.items()))
+        out = cls.outputs.get(key)
+        if out is None:
+            out = cls.outputs[key] = func(*map(_on_meta, args), **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            return _Shaped(out)
+        if isinstance(out, tuple | list):
+            return type(out)(_Shaped(o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+
+def _shape_key(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return a.shape  # (one dtype per op in this step)
+    if isinstance(a, tuple | list):
+        return tuple(map(_shape_key, a))
+    return a
+
+
+def _on_meta(a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, tuple | list):
+        return type(a)(map(_on_meta, a))
+    return a
+
+
+def dispatch_floor(rounds: int = 7) -> float:
+    """How many times plain torch's time a step of `recording_overhead`'s tiny MLP takes when
+    its parameters and data are `_Shaped`: what torch's Python dispatch costs a recorder
+    before it records anything. Rounds alternate with plain steps; the median ratio."""
+    plain_model, model = mlp(8), mlp(8)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            layer.weight = nn.Parameter(_Shaped(layer.weight))
+            layer.bias = nn.Parameter(_Shaped(layer.bias))
+    plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    X, Y = torch.randn(4, 8), torch.randint(0, 10, (4,))
+    x, y = _Shaped(X), _Shaped(Y)
+    ratios = []
+    for _ in range(rounds):
+        times = []
+        for args in ((plain_model, plain_opt, X, Y), (model, opt, x, y)):
+            for _ in range(5):
+                step(*args)
+            t = time.perf_counter()
+            for _ in range(40):
+                step(*args)
+            times.append(time.perf_counter() - t)
+        ratios.append(times[1] / times[0])
+    return statistics.median(ratios)
+
+
 def recording_overhead(grid: gg.Grid, rounds: int = 7) -> tuple[float, float, int]:
     """Microseconds per recorded op of a tiny MLP's step in `trace()`, the same step in plain
     torch per op, and ops per step. The model is small so that recording, not arithmetic,
@@ -128,6 +200,7 @@ def main() -> None:
     opt_l = torch.optim.SGD(local.parameters(), lr=0.01)
     # plain torch alone, before the grid starts
     small_alone = plain_small_step()
+    floor = dispatch_floor()
     plain_steps(local, opt_l, X, Y, 2)  # warm-up
     wide_alone = plain_steps(local, opt_l, X, Y, args.steps)
 
@@ -143,6 +216,10 @@ def main() -> None:
         print(
             f"  plain torch alone, before the grid started: {alone:.1f} us per op; "
             f"recording {us_per_op / alone:.2f}x that"
+        )
+        print(
+            f"  floor: the same step on tensor subclasses whose __torch_dispatch__ records "
+            f"nothing (outputs shaped from a cache) takes {floor:.2f}x plain torch"
         )
 
         spread(remote, grid)
