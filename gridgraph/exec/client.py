@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 import threading
 import time
@@ -37,9 +38,8 @@ from gridgraph.errors import (
     SessionLost,
     WorkerLost,
 )
-from gridgraph.exec import wire
+from gridgraph.exec import resend, wire
 from gridgraph.exec.ops import OpRefused, resolve
-from gridgraph.exec.resend import AnswerTimes
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import client_topic, worker_topic
@@ -94,8 +94,11 @@ class Client:
         self.transport = transport
         self.workers = list(workers)
         self.timeout = timeout
-        # Best-effort transports may drop a request or its reply: resend after this long
-        # (workers answer a repeated request id from their reply cache, never run it twice).
+        # Best-effort transports may drop a request or its reply: resend after this long, or
+        # a cached plan's small run sooner (`_answer_times`); workers answer a repeated
+        # request id from their reply cache, never run it twice.
+        if not (type(retry_after) in (int, float) and 0 < retry_after < math.inf):
+            raise ValueError(f"retry_after is a positive number of seconds, got {retry_after!r}")
         self.retry_after = retry_after
         # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
         self.alive = alive
@@ -112,9 +115,9 @@ class Client:
         # worker name); a run that cannot fit raises PlacementError before anything is sent.
         self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
-        # How long each plan's runs took: a replayed run whose reply is late by far more is
-        # sent again then, not after retry_after (exec/resend.py).
-        self._answer_times = AnswerTimes()
+        # How long each plan's runs took: a cached plan's run whose reply is late by far more
+        # is sent again then, once, before retry_after (exec/resend.py).
+        self._answer_times = resend.AnswerTimes()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self.last_slots: list[int] = []  # the value id of each of its slots
         # While gg.compile records a step: called with what is about to need a worker's
@@ -424,7 +427,9 @@ class Client:
         rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
             start = time.monotonic()
-            replies = self._wait_all(rids, self._answer_times.wait(plan.id, self.retry_after))
+            learned = self._answer_times.wait(plan.id, self.retry_after)
+            early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
+            replies = self._wait_all(rids, early)
             self._answer_times.observe(plan.id, time.monotonic() - start)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
@@ -518,18 +523,24 @@ class Client:
         self.transport.publish(topic, payload, counted, identity)
         return rid
 
+    def _sent(self, rid: str) -> bytes:
+        """The payload of outstanding request `rid`, as sent."""
+        return self._outstanding[rid][1]
+
     def _wait(self, worker: str, rid: str) -> dict:
         """The reply to request `rid`, resending it while none comes."""
         return self._wait_all({worker: rid})[worker]
 
-    def _wait_all(self, rids: dict[str, str], first_wait: float | None = None) -> dict[str, dict]:
+    def _wait_all(
+        self, rids: dict[str, str], early: dict[str, float] | None = None
+    ) -> dict[str, dict]:
         """The replies to several requests (worker -> request id), resending each while its
-        reply does not come: first after `first_wait` s (`retry_after` if None), then after
-        twice as long each time. All at once: a worker may wait on another's lost request."""
+        reply does not come: after `retry_after` s, then after twice as long each time, but
+        first after `early[worker]` s where given (exec/resend.py). All at once: a worker may
+        wait on another's lost request."""
         start = time.monotonic()
-        first_wait = self.retry_after if first_wait is None else first_wait
-        retry = {w: first_wait for w in rids}
-        resend = {w: start + first_wait for w in rids}
+        retry = {w: self.retry_after for w in rids}
+        due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
         needed = set(rids.values())
         try:
             with self._cv:
@@ -546,16 +557,16 @@ class Client:
                     for w in waiting:
                         if not self.alive(w):
                             raise WorkerLost(w, self._values_on(w))
-                        if now >= resend[w]:
+                        if now >= due[w]:
                             identity, payload, _ = self._outstanding[rids[w]]
                             # ipfs: recovery traffic is not counted: stats do not depend on losses
                             self.transport.publish(worker_topic(w), payload, False, identity)
                             retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
-                            resend[w] = now + retry[w]
+                            due[w] = now + retry[w]
                     if now - start > self.timeout:
                         raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
                     # (and at least every 0.25 s, to notice a worker gone)
-                    self._cv.wait(min(0.25, max(0.0, min(resend[w] for w in waiting) - now)))
+                    self._cv.wait(min(0.25, max(0.0, min(due[w] for w in waiting) - now)))
         finally:
             with self._cv:
                 self._waiting.remove(needed)

@@ -6,16 +6,21 @@ as TCP estimates a round trip (RFC 6298: gains 1/8 and 1/4).
 
 Policy: the first ask comes after twice the smoothed time plus four deviations, at least
 FLOOR s, and never later than the caller's default (the client's `retry_after`, a worker's
-RESEND_AFTER); a key with no history waits the default. Every answer is a sample, resent or
-not: the one that came after a resend is late by the wait, which widens the next waits a
-little until the samples settle again (no loss goes unmeasured, and a step that really got
-slower is learned, not resent every time).
+RESEND_AFTER); a key with no history waits the default. Only that first ask comes early:
+later ones follow the default's schedule (the default, then twice as long each time), so a
+slow moment (a collection, a loaded machine) costs one message more at most, and a worker
+spends at most one of the 4 resends it allows per transfer on it. A client asks early only
+for requests of at most EARLY_MAX bytes: a larger one costs its worker a fetch and a decode
+each time. Every answer is a sample, resent or not: the one that came after a resend is
+late by the wait, which widens the next waits a little until the samples settle again (no
+loss goes unmeasured, and a step that really got slower is learned, not resent every time).
 
 Why: Kubo drops 0.5-3% of PubSub messages (a node validating two messages from one origin at
 once keeps the later). A replayed multinode step of 13 ms has about ten messages, so about
 one step in twelve lost one, and with a fixed wait of 0.5 s the mean step was four times the
 median. Asking again costs little: a repeated request id never runs twice, and a repeated
-transfer request is answered from the sender's kept copy.
+transfer request is answered from the sender's kept copy (4 times at most, and within the
+asking peer's request rate).
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 FLOOR = 0.02  # seconds: no wait is shorter (a resend costs the worker a decode, Kubo a publish)
+EARLY_MAX = 64 * 1024  # bytes: a larger request is sent again on the default schedule only
 KEYS_KEPT = 1024  # keys remembered, least recently used dropped
+
+
+def may_ask_early(payload: bytes) -> bool:
+    """Whether a request this large may be sent again after a learned wait."""
+    return len(payload) <= EARLY_MAX
 
 
 class AnswerTimes:

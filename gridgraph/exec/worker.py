@@ -684,10 +684,10 @@ class Worker:
         """The transfer `key` from the worker it names, sent by identity `peer`, as received;
         give up once that worker or the client is gone (or at `deadline`), asking `peer` for
         a resend (ipfs) after `ask_after` s (as `session.resend_wait` bounds it), then after
-        twice as long each time."""
+        twice RESEND_AFTER s, twice as long each time."""
         run, vid, src = key
-        wait = resend_wait(ask_after)
-        ask = time.monotonic() + wait
+        wait = RESEND_AFTER  # (after the first ask, which may come sooner: exec/resend.py)
+        ask = time.monotonic() + resend_wait(ask_after)
         with session.cv:
             while not session.has_transfer(key, peer):
                 if run in session.aborted:

@@ -11,6 +11,8 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec import wire
+from gridgraph.exec.client import Client
+from gridgraph.exec.transport import LocalBus
 
 
 def test_pointer_holds_metadata_only(grid):
@@ -361,3 +363,10 @@ def test_a_reply_naming_no_request_id_is_dropped_quietly(local_grid, re):
     forged = wire.encode({"kind": "reply", "re": re, "ok": True})
     mallory.publish(local_grid.client.topic, forged)  # raised in the client's handler before
     assert torch.equal((p * 2).get(), x * 2)
+
+
+@pytest.mark.parametrize("retry_after", [0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_a_client_refuses_a_wait_before_resending_that_is_not_a_positive_number(retry_after):
+    # (0 made every wait for a reply resend the request in a loop)
+    with pytest.raises(ValueError, match="retry_after"):
+        Client(LocalBus().endpoint("client"), ["w0"], retry_after=retry_after)

@@ -10,7 +10,7 @@ millisecond made its clients flood every worker they use with pings; each worker
 now sets its own pings only.) A worker that announces itself but does not answer is left
 out of a grid asked for no names in particular: anyone can announce a name.
 PubSub loses a message now and then: clients resend requests after `retry_after` (0.5 s,
-backing off), or a replayed step's sooner, after a wait learned from its earlier runs
+backing off), a cached plan's run once sooner, after a wait learned from its earlier runs
 (exec/resend.py); every resent message carries its original id, so nothing runs twice.
 
 Example:
@@ -73,8 +73,8 @@ def connect(
     PING_TIMEOUT s; named ones must answer); raises GridError after `timeout` s.
     `lease`: the silence after which workers free this client's tensors, as the client
     assumes it to ping them in time (default: the lease each worker announces).
-    `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x),
-    a replayed step's run after what its earlier runs took (exec/resend.py), if sooner;
+    `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x);
+    a cached plan's run first after what its earlier runs took, if sooner (exec/resend.py);
     PubSub loses about one message in a few hundred, and a worker answers a repeated request
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
     `memory_cap`: bytes per worker (or per worker name) that placement keeps new tensors under.
