@@ -25,7 +25,7 @@ import time
 import uuid
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -95,8 +95,8 @@ class Client:
         self.workers = list(workers)
         self.timeout = timeout
         # Best-effort transports may drop a request or its reply: resend after this long, or
-        # a cached plan's small run sooner (`_answer_times`); workers answer a repeated
-        # request id from their reply cache, never run it twice.
+        # once sooner (`_answer_times`); workers answer a repeated request id from their
+        # reply cache, never run it twice.
         if not (type(retry_after) in (int, float) and 0 < retry_after < math.inf):
             raise ValueError(f"retry_after is a positive number of seconds, got {retry_after!r}")
         self.retry_after = retry_after
@@ -115,8 +115,9 @@ class Client:
         # worker name); a run that cannot fit raises PlacementError before anything is sent.
         self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
-        # How long each plan's runs took: a cached plan's run whose reply is late by far more
-        # is sent again then, once, before retry_after (exec/resend.py).
+        # How long each plan's runs, and each kind of request to each worker, took: a small
+        # request whose reply is late by far more is sent again then, once, before
+        # retry_after (exec/resend.py).
         self._answer_times = resend.AnswerTimes()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self.last_slots: list[int] = []  # the value id of each of its slots
@@ -426,11 +427,7 @@ class Client:
             msgs[worker] = msg
         rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
-            start = time.monotonic()
-            learned = self._answer_times.wait(plan.id, self.retry_after)
-            early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
-            replies = self._wait_all(rids, early)
-            self._answer_times.observe(plan.id, time.monotonic() - start)
+            replies = self._wait_learning(plan.id, rids)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
                 w: self._send(w, {**msgs[w], "program": plan.programs[w]})
@@ -498,7 +495,8 @@ class Client:
         """Send one request and wait for its reply; raises RemoteError on an error reply."""
         if self.on_sync is not None:
             self.on_sync(f"a {msg['kind']!r} request to {worker} (gg.send, manual_seed, stats)")
-        reply = self._wait(worker, self._send(worker, msg, counted))
+        rid = self._send(worker, msg, counted)
+        reply = self._wait_learning(("request", msg["kind"], worker), {worker: rid})[worker]
         if not reply.get("ok"):
             error = reply.get("error", {})
             if error.get("code") in SESSION_GONE:
@@ -527,9 +525,16 @@ class Client:
         """The payload of outstanding request `rid`, as sent."""
         return self._outstanding[rid][1]
 
-    def _wait(self, worker: str, rid: str) -> dict:
-        """The reply to request `rid`, resending it while none comes."""
-        return self._wait_all({worker: rid})[worker]
+    def _wait_learning(self, key: Hashable, rids: dict[str, str]) -> dict[str, dict]:
+        """`_wait_all(rids)`, where `key` names what the requests are (a plan; a kind of
+        request to a worker): a small request is first sent again after what the earlier
+        answers to `key` took, if that is sooner than retry_after (exec/resend.py)."""
+        learned = self._answer_times.wait(key, self.retry_after)
+        early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
+        start = time.monotonic()
+        replies = self._wait_all(rids, early)
+        self._answer_times.observe(key, time.monotonic() - start)
+        return replies
 
     def _wait_all(
         self, rids: dict[str, str], early: dict[str, float] | None = None

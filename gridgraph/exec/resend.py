@@ -1,8 +1,9 @@
 """When to ask again for an answer a lossy transport may have dropped: waits learned per step.
 
-State: per key (a plan, for the client waiting on its replies; a recv step of a program, for
-a worker waiting on a transfer), the smoothed time the answer took and its mean deviation,
-as TCP estimates a round trip (RFC 6298: gains 1/8 and 1/4).
+State: per key (for the client waiting on its replies: a plan, or a kind of request to a
+worker; for a worker waiting on a transfer: a recv step of a program), the smoothed time the
+answer took and its mean deviation, as TCP estimates a round trip (RFC 6298: gains 1/8 and
+1/4).
 
 Policy: the first ask comes after twice the smoothed time plus four deviations, at least
 FLOOR s, and never later than the caller's default (the client's `retry_after`, a worker's

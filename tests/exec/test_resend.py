@@ -139,6 +139,30 @@ def test_a_replayed_step_whose_transfer_was_lost_asks_for_it_after_its_learned_w
         train(grid, bus)
 
 
+def test_a_lost_batch_sent_each_step_is_sent_again_after_the_learned_wait():
+    # A training loop sends each step's batch (a `put` request): its loss waited the fixed
+    # retry_after too.
+    bus = LossyBus("put")
+    with lossy_grid(bus) as grid:
+        batches = [torch.randn(8, 3) for _ in range(8)]
+        finished = threading.Event()
+        got = []
+
+        def send_all() -> None:
+            for i, batch in enumerate(batches):
+                bus.armed = bus.armed or i == 5
+                got.append(batch.send(grid.workers[1]))
+            finished.set()
+
+        thread = threading.Thread(target=send_all, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert finished.is_set(), f"a lost put waited for the fixed {LONG} s"
+        assert bus.dropped == 1
+        for pointer, batch in zip(got, batches):
+            assert torch.equal(pointer.get(), batch)
+
+
 def test_no_program_makes_its_worker_ask_again_sooner_than_the_floor_or_later_than_the_default():
     # (an executor names the wait in its recv frame: a taken-over one may name any number)
     assert session.resend_wait(0.0) == FLOOR

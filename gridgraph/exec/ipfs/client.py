@@ -10,8 +10,9 @@ millisecond made its clients flood every worker they use with pings; each worker
 now sets its own pings only.) A worker that announces itself but does not answer is left
 out of a grid asked for no names in particular: anyone can announce a name.
 PubSub loses a message now and then: clients resend requests after `retry_after` (0.5 s,
-backing off), a cached plan's run once sooner, after a wait learned from its earlier runs
-(exec/resend.py); every resent message carries its original id, so nothing runs twice.
+backing off), or once sooner, after a wait learned from the earlier answers to the same
+plan or kind of request (exec/resend.py); every resent message carries its original id, so
+nothing runs twice.
 
 Example:
     # shell: gridgraph ipfs up --nodes 3 --root /tmp/swarm; one `gridgraph worker` per node
@@ -74,7 +75,8 @@ def connect(
     `lease`: the silence after which workers free this client's tensors, as the client
     assumes it to ping them in time (default: the lease each worker announces).
     `retry_after`: resend a request unanswered this long (then after 2x, 4x, ... up to 8x);
-    a cached plan's run first after what its earlier runs took, if sooner (exec/resend.py);
+    first after what earlier answers to the same plan or kind of request took, if sooner
+    (exec/resend.py);
     PubSub loses about one message in a few hundred, and a worker answers a repeated request
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
     `memory_cap`: bytes per worker (or per worker name) that placement keeps new tensors under.
