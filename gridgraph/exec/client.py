@@ -205,7 +205,7 @@ class Client:
             del self.graph.values[vid]
         for w, ids in self.frees.items():
             if len(ids) >= FREE_BATCH:
-                self._send(w, {"kind": "free"})
+                self._send(w, {"kind": "free"}, awaited=False)
 
     # --- recording hooks (gridgraph.trace.record.Owner) -----------------------------------
 
@@ -504,7 +504,9 @@ class Client:
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
 
-    def _send(self, worker: str, msg: dict, counted: bool = True) -> str:
+    def _send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
+        """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
+        resending, and its reply is dropped: kept, each stayed for ever, with its reply."""
         rid = next(self._request_ids)
         msg = {
             **msg,
@@ -517,7 +519,8 @@ class Client:
         payload = wire.encode(msg)
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
-        self._outstanding[rid] = (identity, payload, msg["free"])
+        if awaited:
+            self._outstanding[rid] = (identity, payload, msg["free"])
         self.transport.publish(topic, payload, counted, identity)
         return rid
 

@@ -8,13 +8,15 @@ answer took and its mean deviation, as TCP estimates a round trip (RFC 6298: gai
 Policy: the first ask comes after twice the smoothed time plus four deviations, at least
 FLOOR s, and never later than the caller's default (the client's `retry_after`, a worker's
 RESEND_AFTER); a key with no history waits the default. Only that first ask comes early:
-later ones follow the default's schedule (the default, then twice as long each time), so a
-slow moment (a collection, a loaded machine) costs one message more at most, and a worker
-spends at most one of the 4 resends it allows per transfer on it. A client asks early only
-for requests of at most EARLY_MAX bytes: a larger one costs its worker a fetch and a decode
-each time. Every answer is a sample, resent or not: the one that came after a resend is
-late by the wait, which widens the next waits a little until the samples settle again (no
-loss goes unmeasured, and a step that really got slower is learned, not resent every time).
+later ones follow the default's schedule (the default, then twice as long each time). So a
+slow moment (a collection, a loaded machine) costs one message more at most: for a transfer,
+one of the 4 resends its sender allows; for a request whose early copy crosses its reply, one
+of the 4 answers again a worker allows per request and one of the client's requests a second
+there. A client asks early only for requests of at most EARLY_MAX bytes: a larger one costs
+its worker a fetch and a decode each time. Every answer is a sample, resent or not: the one
+that came after a resend is late by the wait, which widens the next waits a little until the
+samples settle again (no loss goes unmeasured, and a step that really got slower is learned,
+not resent every time).
 
 Why: Kubo drops 0.5-3% of PubSub messages (a node validating two messages from one origin at
 once keeps the later). A replayed multinode step of 13 ms has about ten messages, so about

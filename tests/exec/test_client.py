@@ -11,7 +11,7 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.client import Client
+from gridgraph.exec.client import FREE_BATCH, Client
 from gridgraph.exec.transport import LocalBus
 
 
@@ -370,3 +370,23 @@ def test_a_client_refuses_a_wait_before_resending_that_is_not_a_positive_number(
     # (0 made every wait for a reply resend the request in a loop)
     with pytest.raises(ValueError, match="retry_after"):
         Client(LocalBus().endpoint("client"), ["w0"], retry_after=retry_after)
+
+
+def test_batches_of_frees_leave_nothing_behind_on_the_client(grid):
+    # A batch of frees goes unawaited; its request and its reply were kept for ever, one of
+    # each per FREE_BATCH values freed over a whole training run.
+    w = grid.workers[0]
+    x = torch.ones(2).send(w)
+    stored = grid.stats()["workers"]["w0"]["objects"]
+    for _ in range(3):
+        with gg.trace():
+            ys = [x + i for i in range(FREE_BATCH)]
+        gg.compute(*ys)
+        del ys
+        gc.collect()
+        with gg.trace():  # (recording releases the values of pointers that died)
+            z = x * 2
+        gg.compute(z)
+        del z
+    assert not grid.client._outstanding and not grid.client._replies
+    assert grid.stats()["workers"]["w0"]["objects"] <= stored + FREE_BATCH  # they were freed
