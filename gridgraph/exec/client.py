@@ -5,6 +5,9 @@ State:
     live       value id -> cell of the pointer that names it now
     failed     value id -> the RemoteError that kept it from being computed
     frees      per worker, value ids to free, sent with the next request to that worker
+    batches    the batches of frees sent on their own (once FREE_BATCH ids wait for one
+               worker), unawaited, until their reply: the ids of one lost or refused go
+               back into `frees`, sent with the next request to that worker
 
 The loop of `execute`: take what the targets need from the pending graph, place it, split it
 into per-worker programs (gridgraph.schedule), send one message per worker, wait for the
@@ -26,6 +29,7 @@ import uuid
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,6 +79,17 @@ class _Cell:
 
     def died(self, _ref: weakref.ref) -> None:
         self.queue.append(self)
+
+
+@dataclass(slots=True)
+class _FreeBatch:
+    """A batch of frees sent unawaited, until its reply."""
+
+    worker: str
+    identity: str | None  # the only endpoint that may answer it
+    ids: list[int]
+    sent_at: float  # time.monotonic()
+    refused: bool = False
 
 
 class Client:
@@ -138,6 +153,8 @@ class Client:
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
         self._outstanding: dict[str, tuple[str | None, bytes, list[int]]] = {}
+        # request id -> an unawaited batch of frees, until its reply (under _cv)
+        self._free_batches: dict[str, _FreeBatch] = {}
         self._cv = threading.Condition()
         # the request ids each waiting call needs (under _cv): a reply wakes a waiter only
         # once all of its replies are in, so that on a local grid a step's first reply does
@@ -506,23 +523,39 @@ class Client:
 
     def _send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
         """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
-        resending, and its reply is dropped: kept, each stayed for ever, with its reply."""
+        resending (kept, each stayed for ever, with its reply): its reply only tells whether
+        its ids were freed (`_free_batches`)."""
         rid = next(self._request_ids)
-        msg = {
-            **msg,
-            "id": rid,
-            "reply_to": self.topic,
-            "session": self.session,
-            "free": self.frees[worker],
-        }
+        self._refile_frees(worker)
+        frees = self.frees[worker]
+        msg = {**msg, "id": rid, "reply_to": self.topic, "session": self.session, "free": frees}
         self.frees[worker] = []
         payload = wire.encode(msg)
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
         if awaited:
-            self._outstanding[rid] = (identity, payload, msg["free"])
+            self._outstanding[rid] = (identity, payload, frees)
+        elif frees:
+            with self._cv:  # (before it is sent: on a local grid the reply may come first)
+                self._free_batches[rid] = _FreeBatch(worker, identity, frees, time.monotonic())
         self.transport.publish(topic, payload, counted, identity)
         return rid
+
+    def _refile_frees(self, worker: str) -> None:
+        """Put back into `frees` the ids of the batches of frees to `worker` that were
+        refused, or whose reply has not come within retry_after (lost, most likely: if it
+        was only late, the ids are freed twice, and the second time frees nothing). Left
+        out, a lost batch's values stayed on the worker until the session ended."""
+        if not self._free_batches:
+            return
+        now = time.monotonic()
+        with self._cv:
+            for rid, batch in list(self._free_batches.items()):
+                if batch.worker == worker and (
+                    batch.refused or now - batch.sent_at > self.retry_after
+                ):
+                    del self._free_batches[rid]
+                    self.frees[worker].extend(batch.ids)
 
     def _sent(self, rid: str) -> bytes:
         """The payload of outstanding request `rid`, as sent."""
@@ -600,6 +633,15 @@ class Client:
         if msg.get("kind") != "reply" or type(rid) is not str:
             return
         with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
+            batch = self._free_batches.get(rid)
+            if batch is not None:
+                if sender == batch.identity:  # (from the worker it went to, as below)
+                    error = msg.get("error")
+                    if isinstance(error, dict) and error.get("refused"):
+                        batch.refused = True  # its ids go with the next request
+                    else:
+                        del self._free_batches[rid]
+                return
             outstanding = self._outstanding.get(rid)
             if outstanding is None or sender != outstanding[0]:
                 return  # not awaited, or not from the worker the request went to
@@ -623,6 +665,7 @@ class Client:
             except (GridError, WorkerLost, SessionLost):  # gone already: nothing to free
                 pass
         self.closed = True
+        self._free_batches.clear()  # (the byes freed everything)
         self.transport.close()
 
 

@@ -4,19 +4,23 @@
 The end-to-end tests drop one message of a replayed step on a local bus and make the fixed
 waits a minute long: the step still ends within seconds, with plain torch's values, only if
 the client (a lost run message) or the receiving worker (a lost transfer) asked again after
-the wait its earlier runs taught it.
+the wait its earlier runs taught it. A batch of frees, sent unawaited, is not asked again:
+its ids go with the next request to its worker once it is refused or long unanswered.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
+import pytest
 import torch
 
 import gridgraph as gg
 from gridgraph.exec import session, wire
 from gridgraph.exec import worker as worker_module
-from gridgraph.exec.client import Client
+from gridgraph.exec.client import FREE_BATCH, Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
@@ -163,7 +167,57 @@ def test_a_lost_batch_sent_each_step_is_sent_again_after_the_learned_wait():
             assert torch.equal(pointer.get(), batch)
 
 
-def test_no_program_makes_its_worker_ask_again_sooner_than_the_floor_or_later_than_the_default():
+def _frees_dead_pointers(grid: Grid, x: gg.RemoteTensor) -> int:
+    """Compute FREE_BATCH values from `x` on its worker and let their pointers die; the
+    number of values the worker then holds for this client."""
+    with gg.trace():
+        ys = [x + i for i in range(FREE_BATCH)]
+    gg.compute(*ys)
+    held = len(_session_of(grid).store)
+    del ys
+    gc.collect()
+    return held
+
+
+def _session_of(grid: Grid) -> session.Session:
+    (only,) = grid.local_workers[0].sessions.values()
+    return only
+
+
+def test_a_lost_batch_of_frees_goes_again_with_the_next_request():
+    # A batch of frees goes out on its own and unawaited; lost, its values stayed on the
+    # worker until the session ended, as much as a whole training run dropped.
+    bus = LossyBus("free")
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    client = Client(bus.endpoint("client"), ["w0"], retry_after=0.05)
+    with Grid(client, on_close=worker.close, local_workers=[worker]) as grid:
+        x = torch.ones(2).send(grid.workers[0])
+        assert _frees_dead_pointers(grid, x) == FREE_BATCH + 1
+        bus.armed = True
+        z = x * 2  # (a request releases the values of pointers that died: their batch goes
+        assert bus.dropped == 1  # out first, and is lost)
+        assert len(_session_of(grid).store) == FREE_BATCH + 2
+        time.sleep(0.1)  # (past retry_after: lost, not late)
+        w = x * 3  # this request carries the batch's ids again
+        assert len(_session_of(grid).store) == 3  # x, z and w
+        assert torch.equal(z.get(), x.get() * 2) and torch.equal(w.get(), x.get() * 3)
+
+
+def test_a_refused_batch_of_frees_goes_again_with_the_next_request():
+    # A worker refuses a request over its peer's rate, and frees nothing then: the ids of a
+    # refused batch of frees were dropped by the client all the same.
+    rate = Limits(requests_per_second=0.5, request_burst=2)  # (a request per 2 s past two)
+    with gg.local_grid(1, limits=rate) as grid:
+        x = torch.ones(2).send(grid.workers[0])  # the first request of the burst
+        assert _frees_dead_pointers(grid, x) == FREE_BATCH + 1  # the second
+        with pytest.raises(gg.RemoteError, match="rate"):  # (its batch was refused first)
+            x * 2
+        assert len(_session_of(grid).store) == FREE_BATCH + 1
+        time.sleep(2.2)  # a request's worth of the rate again
+        z = x * 2  # this request carries the batch's ids again
+        assert len(_session_of(grid).store) == 2 and z.location == "w0"  # x and z
+        time.sleep(2.2)  # (for the bye, at the end)
+
     # (an executor names the wait in its recv frame: a taken-over one may name any number)
     assert session.resend_wait(0.0) == FLOOR
     assert session.resend_wait(1e9) == session.RESEND_AFTER
