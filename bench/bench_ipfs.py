@@ -9,6 +9,11 @@ node 1; the client and the raw calls use node 0. Prints:
     then the same with that worker stopped and one started with `--no-isolate` in its place,
     which shows what isolation costs (a request and its reply cross into the session's
     executor process and back);
+  - the CPU time (user + system, all threads) each process spends per round trip, over a
+    block of batches and then a block of echoes (on Linux; the client's share of a batch
+    includes recording its `x + 1`, which the round trip above does not time). On a small
+    machine a round trip's steps run one after another, so CPU spent anywhere on the way
+    is wall time: this shows where it goes;
   - tensor throughput, client -> worker (`send`) and worker -> client (`get`), next to raw
     `block put` on one node + `block get` on the other of the same bytes in 512 KiB blocks
     (as the transport cuts them, 8 fetches in flight), as ratios.
@@ -105,6 +110,48 @@ def round_trips(echo: Echo, grid: gg.Grid, rounds: int) -> tuple[list, list]:
     return gg_rtt, raw_rtt
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system, all threads) the processes `pids` used so far."""
+    ticks = 0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces)
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` (a worker's forkserver and executors)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # not a process, or gone
+            continue
+        parents[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def cpu_per_round_trip(roles: dict[str, list[int]], once, rounds: int) -> dict[str, float]:
+    """Milliseconds of CPU each role's processes spend per call of `once`, and the wall."""
+    before, start = {r: cpu_seconds(p) for r, p in roles.items()}, time.perf_counter()
+    for _ in range(rounds):
+        once()
+    wall = time.perf_counter() - start
+    used = {r: 1000 * (cpu_seconds(p) - before[r]) / rounds for r, p in roles.items()}
+    return {**used, "total": sum(used.values()), "wall": 1000 * wall / rounds}
+
+
 def raw_blocks_once(put_on: Kubo, get_on: Kubo, nbytes: int, pool: ThreadPoolExecutor) -> float:
     """block put of `nbytes` fresh bytes on one node, then block get of them on the other."""
     data = os.urandom(nbytes)
@@ -151,6 +198,19 @@ def main() -> None:
             raw_up, raw_down, gg_up, gg_down = [], [], [], []
             with gg.connect(ipfs=near.api, workers=["bench"]) as grid:
                 gg_rtt, raw_rtt = round_trips(echo, grid, args.rounds)
+                roles = {
+                    "client": [os.getpid()],
+                    "worker": [worker.pid],
+                    "executor": descendants(worker.pid),
+                    "Kubo": [near.pid, far.pid],
+                }
+                x = torch.ones(4).send(grid.workers[0])
+                cpu = {}
+                if Path("/proc/self/stat").exists():
+                    cpu["gridgraph batch"] = cpu_per_round_trip(
+                        roles, lambda: batch_once(x), args.rounds
+                    )
+                    cpu["raw pubsub echo"] = cpu_per_round_trip(roles, echo.once, args.rounds)
                 with ThreadPoolExecutor(FETCH_WINDOW) as pool:
                     for _ in range(args.transfers):
                         raw_up.append(raw_blocks_once(kn, kf, nbytes, pool))
@@ -182,6 +242,11 @@ def main() -> None:
         f"  the same, --no-isolate         {median_ms(shared_rtt):8.2f} ms  "
         f"{median_ms(shared_raw):8.2f} ms  {median_ms(shared_rtt) / median_ms(shared_raw):6.2f}x"
     )
+    if cpu:
+        print(f"\nCPU per round trip, ms (blocks of {args.rounds}, not alternated)")
+        print("                        client  worker executor  Kubo x2   total    wall")
+        for name, used in cpu.items():
+            print(f"  {name:20s}" + "".join(f"{used[r]:8.2f}" for r in (*roles, "total", "wall")))
     print(f"\n{mb:g} MB tensor (median of {args.transfers})   gridgraph     raw Kubo    ratio")
     for name, ours, raw in (("send: client -> worker", gg_up, raw_up),
                             ("get:  worker -> client", gg_down, raw_down)):  # fmt: skip
