@@ -528,7 +528,7 @@ class Client:
         rid = next(self._request_ids)
         self._refile_frees(worker)
         frees = self.frees[worker]
-        msg = {**msg, "id": rid, "reply_to": self.topic, "session": self.session, "free": frees}
+        msg = {**msg, "id": rid, "session": self.session, "free": frees}
         self.frees[worker] = []
         payload = wire.encode(msg)
         topic = worker_topic(worker)

@@ -196,6 +196,9 @@ class Session:
 
     def __init__(self, key: str, peer: str) -> None:
         self.key, self.peer = key, peer
+        # Where its client hears replies (worker.client_topic of the sender and session id of
+        # its requests): set by the worker when it accepts one, never named by a request.
+        self.reply_topic = ""
         # The identity whose transfer opened it, until its client's first request (worker.py)
         self.opened_by: str | None = None
         self.store = ObjectStore()

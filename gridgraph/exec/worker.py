@@ -52,7 +52,9 @@ Policy:
       are themselves limited to that rate: past it, its requests are dropped unanswered
       and unrecorded (a resend later is judged afresh), so a flood of tiny requests
       cannot fill the one sender thread's queue ahead of other clients' replies.
-    - A malformed request gets an error reply when it names a reply topic and an id.
+    - A malformed request gets an error reply when it has an id and a session id. A reply
+      goes to the sender's own topic for that session (`client_topic`), which no
+      request names.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
       (`peers`; a run without one is refused). A send is published to that identity only (on
@@ -208,18 +210,15 @@ class Worker:
             log.exception("%s: failed to accept a message from %s", self.name, sender)
 
     def _accept_request(self, sender: str, msg: dict, payload: bytes) -> None:
-        rid, reply_to = msg.get("id"), msg.get("reply_to")
-        if not isinstance(reply_to, str) or not isinstance(rid, str):
-            log.warning("%s: dropped a %r request without id or reply_to", self.name, msg["kind"])
+        rid, session_id = msg.get("id"), msg.get("session")
+        if not isinstance(rid, str) or not isinstance(session_id, str):
+            log.warning("%s: dropped a %r request without id or session", self.name, msg["kind"])
             return
-        if reply_to != client_topic(sender, msg.get("session")):
-            # Replies go only to the sender's own topic, never where a requester points them.
-            log.warning("%s: dropped a request whose reply_to is not its sender's", self.name)
-            return
+        # Replies go only to the sender's own topic: no request names where they go.
+        reply_to = client_topic(sender, session_id)
         arrived = time.monotonic()
         key, owner = _client_key(sender, msg), self.transport.owner(sender)
-        session_id = msg.get("session")  # (the key's own part; one not a string is no part)
-        if isinstance(session_id, str) and len(session_id) > MAX_SESSION_ID:
+        if len(session_id) > MAX_SESSION_ID:
             if self._refusals.allow(owner):
                 error = f"a session id has at most {MAX_SESSION_ID} characters"
                 self._refuse(reply_to, rid, RequestError(error))
@@ -244,6 +243,7 @@ class Worker:
                 return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
+            session.reply_topic = reply_to
             if rec is not None:  # a resend: never run twice
                 lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
                 if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
@@ -284,7 +284,7 @@ class Worker:
             if error is not None:
                 log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], key,
                             error)  # fmt: skip
-                self._reply(session, rid, reply_to, self._error_reply(rid, error), queued=True)
+                self._reply(session, rid, self._error_reply(rid, error), queued=True)
                 return
             # One that arrives while another waits or runs is kept as received, decoded when
             # served: decoded, a header of many small containers holds some 70 times its
@@ -322,7 +322,7 @@ class Worker:
         for msg, _, payload in waiting:
             msg = msg if msg is not None else wire.decode(payload)  # (checked when it came)
             reply = self._error_reply(msg["id"], error)
-            self._reply(session, msg["id"], msg["reply_to"], reply, queued=True)
+            self._reply(session, msg["id"], reply, queued=True)
 
     def _over_rate(self) -> LimitExceeded:
         return LimitExceeded(
@@ -501,7 +501,7 @@ class Worker:
         """Reply with an error to a request whose serving failed unexpectedly, unless it was
         answered already: every accepted request gets exactly one reply."""
         try:
-            rid, reply_to = msg["id"], msg["reply_to"]
+            rid = msg["id"]
             record = session.records.get(rid)
             if record is None or record.reply is not None:
                 return
@@ -509,7 +509,7 @@ class Worker:
                 f"worker {self.name} failed to serve this request ({type(error).__name__}: "
                 f"{error}); see its log"
             )
-            self._reply(session, rid, reply_to, self._error_reply(rid, failure))
+            self._reply(session, rid, self._error_reply(rid, failure))
         except Exception:
             log.exception("%s: could not answer a request that failed", self.name)
 
@@ -526,7 +526,7 @@ class Worker:
             freed += self._forget(session)
             log.info("%s: client %s freed %d tensors", self.name, session.key, freed)
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
-            self._publish(session, msg["reply_to"], reply, counted=True)
+            self._publish(session, session.reply_topic, reply, counted=True)
             return
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
@@ -562,12 +562,11 @@ class Worker:
                 reply = encode_reply(self.name, rid, error_body(self.name, lost))
         if kind == "stats":  # the traffic is counted here, whatever runs the programs
             reply = self._with_traffic(session, rid, reply, bool(msg.get("reset")))
-        self._reply(session, rid, msg["reply_to"], reply, counted=kind != "stats")
+        self._reply(session, rid, reply, counted=kind != "stats")
 
     def _reply(
-        self, session: Session, rid: str, reply_to: str, reply: bytes,
-        queued: bool = False, counted: bool = True,
-    ) -> None:  # fmt: skip
+        self, session: Session, rid: str, reply: bytes, queued: bool = False, counted: bool = True
+    ) -> None:
         """Send `reply` to request `rid`, and keep it on the request's record to send again
         if the client asks. `queued`: through the shared sender thread, for a caller that
         must not block (the transport's reader); else published here, counted in the
@@ -577,9 +576,9 @@ class Worker:
             if rec is not None:
                 session.replied(rec, reply)
         if queued:
-            self._outbox.put((reply_to, reply, None))
+            self._outbox.put((session.reply_topic, reply, None))
         else:
-            self._publish(session, reply_to, reply, counted)
+            self._publish(session, session.reply_topic, reply, counted)
         if rec is not None:
             rec.sent_at = time.monotonic()
 
@@ -622,7 +621,7 @@ class Worker:
         n = session.close()
         for msg, _, payload in waiting:
             msg = msg or wire.decode(payload)  # (checked when it arrived)
-            self._refuse(msg["reply_to"], msg["id"], SESSION_ENDED)
+            self._refuse(session.reply_topic, msg["id"], SESSION_ENDED)
         log.info("%s: client %s left", self.name, session.key)
         return n
 

@@ -84,11 +84,11 @@ class Peer:
             pass
 
     def message(self, msg: dict, rid: str | None = None) -> bytearray:
-        """`msg` as this peer sends it: with an id, its reply topic and its session."""
+        """`msg` as this peer sends it: with an id and its session (whose reply topic it
+        subscribes)."""
         session = msg.get("session", self.session)
-        full = {"id": rid or uuid.uuid4().hex, "reply_to": self.reply_topic(session),
-                "session": session}  # fmt: skip
-        return wire.encode({**full, **msg})
+        self.reply_topic(session)
+        return wire.encode({"id": rid or uuid.uuid4().hex, "session": session, **msg})
 
     def identities(self, *workers: str) -> dict[str, str | None]:
         """Each worker's identity as this peer's transport knows it: what a client names in

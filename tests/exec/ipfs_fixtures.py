@@ -239,10 +239,11 @@ class Raw:
         return topic
 
     def envelope(self, msg: dict) -> dict:
-        """`msg` with a fresh id, and a session and reply topic unless it names them."""
+        """`msg` with a fresh id, and a session unless it names one (whose reply topic it
+        subscribes)."""
         session = msg.get("session", self.session)
-        head = {"id": uuid.uuid4().hex, "session": session, "reply_to": self.reply_topic(session)}
-        return {**head, **msg}
+        self.reply_topic(session)
+        return {"id": uuid.uuid4().hex, "session": session, **msg}
 
     def send(self, worker: str, msg: dict) -> str:
         msg = self.envelope(msg)

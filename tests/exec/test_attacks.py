@@ -246,8 +246,8 @@ def test_a_small_message_asking_for_a_huge_tensor_is_refused(arena):
 def test_a_message_that_grows_at_decode_is_refused(arena):
     # A 7 MB header of tensors over one byte grew a worker by 551 MB.
     values = [[i, tensor_ref("bool", [1], 0, 1)] for i in range(500_000)]
-    payload = frame({"kind": "put", "id": "bomb", "reply_to": arena.attacker.topic,
-                     "session": arena.attacker.session, "values": values}, b"\x01")  # fmt: skip
+    payload = frame({"kind": "put", "id": "bomb", "session": arena.attacker.session,
+                     "values": values}, b"\x01")  # fmt: skip
     assert len(payload) > 7_000_000
     arena.attacker.publish(arena.target, payload)
     assert arena.attack({"kind": "ping"})["ok"]
@@ -355,8 +355,7 @@ def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
 def _undecodable(arena, header: dict, data: bytes) -> None:
     """Send a hand-framed put (a header and a data region, as they are) that the worker
     cannot decode, so drops: nothing of it is stored."""
-    header = {"id": uuid.uuid4().hex, "reply_to": arena.attacker.topic,
-              "session": arena.attacker.session, **header}  # fmt: skip
+    header = {"id": uuid.uuid4().hex, "session": arena.attacker.session, **header}
     arena.attacker.publish(arena.target, frame(header, data))
     assert arena.attack({"kind": "ping"})["ok"]  # (served after it)
     assert arena.attacker_get(1)["ok"] is False
@@ -661,8 +660,8 @@ HOSTILE_TENSORS = {
 @pytest.mark.parametrize("name", list(HOSTILE_TENSORS))
 def test_hostile_tensors_are_refused_at_decode(arena, name):
     values, data = HOSTILE_TENSORS[name]
-    header = {"kind": "put", "id": uuid.uuid4().hex, "reply_to": arena.attacker.topic,
-              "session": arena.attacker.session, "values": values}  # fmt: skip
+    header = {"kind": "put", "id": uuid.uuid4().hex, "session": arena.attacker.session,
+              "values": values}  # fmt: skip
     arena.attacker.publish(arena.target, frame(header, data))
     assert arena.attack({"kind": "ping"})["ok"]
     for vid in (1, 2):

@@ -161,8 +161,8 @@ def a_request(rng: random.Random) -> dict:
                 "tensors": [a_tensor(rng) for _ in range(n)]}  # fmt: skip
     elif kind == "abort":
         body = {"run": small_int(rng)}
-    return {"kind": kind, "id": a_text(rng), "reply_to": "", "free": [],
-            "session": rng.choice(SESSIONS), **body}  # fmt: skip
+    return {"kind": kind, "id": a_text(rng), "free": [], "session": rng.choice(SESSIONS),
+            **body}  # fmt: skip
 
 
 def mutated(rng: random.Random) -> dict:
@@ -173,7 +173,7 @@ def mutated(rng: random.Random) -> dict:
         key = rng.choice(sorted(msg))
         if action == "replace":
             msg[key] = a_value(rng)
-        elif action == "drop" and key not in ("kind", "reply_to"):
+        elif action == "drop" and key != "kind":
             del msg[key]
         elif action == "add":
             msg[a_text(rng)] = a_value(rng)
@@ -226,11 +226,11 @@ class Fuzzer:
             self.unencodable += 1
             return
         if isinstance(message, dict):
-            # The sender's own reply topic for the session named (else the worker drops it
-            # unread), unless the session is one of no use to a well-behaved peer.
+            # Its replies go to the sender's own topic for the session named: heard, unless
+            # the session is one of no use to a well-behaved peer.
             session = message.get("session")
-            ours = isinstance(session, str) and session in SESSIONS
-            message = {**message, "reply_to": peer.reply_topic(session) if ours else peer.topic}
+            if isinstance(session, str) and session in SESSIONS:
+                peer.reply_topic(session)
             try:
                 payload = wire.encode(message)
             except (wire.WireError, OverflowError, TypeError, ValueError):

@@ -32,7 +32,7 @@ from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
+from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
 
 pytestmark = pytest.mark.ipfs
 
@@ -80,7 +80,8 @@ def test_a_forged_reply_is_refused(kubo_nodes, ipfs_workers, attacker):
         if armed.is_set() and msg["kind"] == "run":
             forged = {"kind": "reply", "re": msg["id"], "worker": "w1", "ok": True,
                       "returns": [[0, fortytwo]], "dynamic": []}  # fmt: skip
-            attacker.transport.publish(msg["reply_to"], wire.encode(forged))
+            victim = client_topic(tap.identity, msg["session"])  # (no request names it)
+            attacker.transport.publish(victim, wire.encode(forged))
         return 1
 
     held = []
@@ -177,9 +178,15 @@ def test_a_replayed_request_is_refused(ipfs_grid, ipfs_workers, kubo_nodes, outs
 
 
 def test_a_reply_goes_only_to_the_requesters_own_topic(ipfs_grid, ipfs_workers, attacker):
-    victim_topic = ipfs_grid.client.topic
-    attacker.send("w1", {"kind": "ping", "reply_to": victim_topic, "free": []})
-    wait_for_log(worker(ipfs_workers, "w1"), "reply_to is not its sender's")
+    # A request named its reply topic, and the worker checked it: now none names one, and
+    # one still naming the victim's topic is answered on the attacker's own.
+    victim = ipfs_grid.client
+    heard: list[bytes] = []
+    victim.transport.subscribe(victim.topic, lambda sender, payload: heard.append(payload))
+    reply = attacker.request("w1", {"kind": "ping", "reply_to": victim.topic})
+    assert reply["ok"]  # on the attacker's own topic
+    time.sleep(0.5)  # (what the victim's topic got meanwhile)
+    assert not [p for p in heard if wire.decode(p).get("re") == reply["re"]]
     a = torch.randn(4)
     assert torch.equal(a.send(ipfs_grid.workers[1]).get(), a)
 

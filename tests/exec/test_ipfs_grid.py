@@ -280,8 +280,8 @@ def test_a_batch_of_bad_messages_harms_nothing(ipfs_grid, raw_peer, ipfs_workers
     kubo.pubsub_pub(topic, b"\x00not an envelope")
     raw_peer.publish("w1", os.urandom(1000))  # an envelope of garbage
     raw_peer.publish("w1", msgpack.packb(["not", "a", "map"]))
-    raw_peer.publish("w1", wire.encode({"kind": "run", "program": []}))  # no id, no reply_to
-    header = msgpack.packb({"kind": "put", "id": "x", "reply_to": raw_peer.topic, "values": [
+    raw_peer.publish("w1", wire.encode({"kind": "run", "program": []}))  # no id, no session
+    header = msgpack.packb({"kind": "put", "id": "x", "session": raw_peer.session, "values": [
         [1, msgpack.ExtType(3, msgpack.packb(["float32", [2**40], 0, 4]))]]})  # fmt: skip
     raw_peer.publish("w1", len(header).to_bytes(4, "little") + header + b"1234")  # 4 TiB?
     big_refs = [(f"bafkrei{i:052d}", 2**20) for i in range(2048)]  # declares 2 GiB

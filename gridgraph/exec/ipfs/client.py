@@ -218,7 +218,6 @@ class _KeepAlive(threading.Thread):
                 msg = {
                     "kind": "stats",
                     "id": uuid.uuid4().hex,
-                    "reply_to": self.client.topic,
                     "session": self.client.session,
                     "free": [],
                 }
