@@ -331,8 +331,11 @@ class Client:
                 if not dynamic:
                     self.plans.put(key, plan)
             self.last_plan, self.last_slots = plan, slots
+            # (a data-dependent op's plan is made anew each run: its answer times are
+            # learned under what it runs, not its fresh id)
+            learn_as = ("data-dependent", hash(key)) if dynamic else None
             try:
-                replies = self._run_plan(plan, slots, run_params(nodes))
+                replies = self._run_plan(plan, slots, run_params(nodes), learn_as=learn_as)
             except (RemoteError, WorkerLost) as e:
                 self._forget_run(nodes, slots, keep, e)
                 raise
@@ -379,7 +382,7 @@ class Client:
             steps[dst].append(("recv", moved, src))
         plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
         plan.id = self.plans.new_id()  # run once, never cached
-        self._run_plan(plan, slots, [])
+        self._run_plan(plan, slots, [], learn_as="storage move")
         for storage, dst in moves.items():
             values[by_storage[storage][0]].location = dst
 
@@ -419,10 +422,18 @@ class Client:
                 self.frees[value.location].append(vid)
 
     def _run_plan(
-        self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str] | None = None
+        self,
+        plan: Plan,
+        slots: list[int],
+        params: list[Any],
+        where: dict[int, str] | None = None,
+        learn_as: Hashable | None = None,
     ) -> dict[str, dict]:
         """Send each worker its part (the program itself only the first time) and wait.
         `where`: the user's file:line by slot, for errors of runs without pending nodes.
+        `learn_as`: for a plan run once and not kept, what its answer times are learned
+        under (exec/resend.py; by default its id); nor is it noted as sent, since no run
+        names it again.
 
         Each message names the identity of every worker that worker's part sends to or
         receives from, as this client knows them: workers send and take transfers between
@@ -444,7 +455,7 @@ class Client:
             msgs[worker] = msg
         rids = {w: self._send(w, msg) for w, msg in msgs.items()}
         try:
-            replies = self._wait_learning(plan.id, rids)
+            replies = self._wait_learning(plan.id if learn_as is None else learn_as, rids)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
                 w: self._send(w, {**msgs[w], "program": plan.programs[w]})
@@ -461,7 +472,7 @@ class Client:
                     )
             raise
         for w, reply in replies.items():
-            if reply.get("ok"):
+            if reply.get("ok") and learn_as is None:
                 self._programs_sent[w].add(plan.id)
         errors = [r["error"] for r in replies.values() if not r.get("ok")]
         if errors:

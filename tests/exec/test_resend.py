@@ -167,6 +167,33 @@ def test_a_lost_batch_sent_each_step_is_sent_again_after_the_learned_wait():
             assert torch.equal(pointer.get(), batch)
 
 
+def test_a_data_dependent_op_whose_run_was_lost_is_resent_after_its_learned_wait():
+    # An op whose result's shape depends on the data runs as a plan of its own, made anew
+    # under a fresh id each time: its answer times were never learned, and a lost run
+    # waited the fixed retry_after.
+    bus = LossyBus("run")
+    with lossy_grid(bus) as grid:
+        a = torch.randn(64)
+        x = a.send(grid.workers[0])
+        mask = x > 0
+        finished, got = threading.Event(), []
+
+        def select_all() -> None:
+            for i in range(8):
+                bus.armed = bus.armed or i == 5
+                got.append(x[mask])
+            finished.set()
+
+        thread = threading.Thread(target=select_all, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert finished.is_set(), f"a lost run waited for the fixed {LONG} s"
+        assert bus.dropped == 1
+        for pointer in got:
+            assert torch.equal(pointer.get(), a[a > 0])
+        assert len(grid.client._programs_sent["w0"]) < 8  # (each ran once; none is kept)
+
+
 def _frees_dead_pointers(grid: Grid, x: gg.RemoteTensor) -> int:
     """Compute FREE_BATCH values from `x` on its worker and let their pointers die; the
     number of values the worker then holds for this client."""
