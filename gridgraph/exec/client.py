@@ -594,37 +594,48 @@ class Client:
         retry = {w: self.retry_after for w in rids}
         due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
         needed = set(rids.values())
+        with self._cv:
+            self._waiting.append(needed)
         try:
-            with self._cv:
-                self._waiting.append(needed)
-                while True:
+            while True:
+                with self._cv:
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
                     if not waiting:
-                        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
-                        for w, reply in replies.items():  # a refused request freed nothing
-                            if not reply.get("ok") and reply.get("error", {}).get("refused"):
-                                self.frees[w].extend(self._outstanding[rids[w]][2])
-                        return replies
-                    now = time.monotonic()
-                    for w in waiting:
-                        if not self.alive(w):
-                            raise WorkerLost(w, self._values_on(w))
-                        if now >= due[w]:
-                            identity, payload, _ = self._outstanding[rids[w]]
-                            # ipfs: recovery traffic is not counted: stats do not depend on losses
-                            self.transport.publish(worker_topic(w), payload, False, identity)
-                            retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
-                            due[w] = now + retry[w]
-                    if now - start > self.timeout:
-                        raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
-                    # (and at least every 0.25 s, to notice a worker gone)
-                    self._cv.wait(min(0.25, max(0.0, min(due[w] for w in waiting) - now)))
+                        return self._take_replies(rids)
+                # Resent without the lock: a publish may take a while (on IPFS, a call to
+                # Kubo), and every reply, to any waiting thread, is taken under it.
+                now = time.monotonic()
+                for w in waiting:
+                    if not self.alive(w):
+                        raise WorkerLost(w, self._values_on(w))
+                    if now >= due[w]:
+                        identity, payload, _ = self._outstanding[rids[w]]
+                        # ipfs: recovery traffic is not counted: stats do not depend on losses
+                        self.transport.publish(worker_topic(w), payload, False, identity)
+                        retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
+                        due[w] = now + retry[w]
+                if now - start > self.timeout:
+                    raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
+                with self._cv:  # (a reply that came meanwhile is not waited for)
+                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
+                    if waiting:  # (and at least every 0.25 s, to notice a worker gone)
+                        next_due = min(due[w] for w in waiting) - time.monotonic()
+                        self._cv.wait(min(0.25, max(0.0, next_due)))
         finally:
             with self._cv:
                 self._waiting.remove(needed)
                 for rid in rids.values():
                     self._outstanding.pop(rid, None)
                     self._replies.pop(rid, None)
+
+    def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
+        """The replies to `rids`, all in (under _cv); a refused request freed nothing, so
+        its frees go with the next request to its worker."""
+        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
+        for w, reply in replies.items():
+            if not reply.get("ok") and reply["error"].get("refused"):
+                self.frees[w].extend(self._outstanding[rids[w]][2])
+        return replies
 
     def _values_on(self, worker: str) -> list[str]:
         """Describe the live values stored on `worker`, for WorkerLost."""
@@ -643,12 +654,13 @@ class Client:
         rid = msg.get("re")
         if msg.get("kind") != "reply" or type(rid) is not str:
             return
+        if not msg.get("ok") and not isinstance(msg.get("error"), dict):  # (read as a dict)
+            msg["error"] = {"worker": sender, "message": "a malformed error reply"}
         with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
             batch = self._free_batches.get(rid)
             if batch is not None:
                 if sender == batch.identity:  # (from the worker it went to, as below)
-                    error = msg.get("error")
-                    if isinstance(error, dict) and error.get("refused"):
+                    if not msg.get("ok") and msg["error"].get("refused"):
                         batch.refused = True  # its ids go with the next request
                     else:
                         del self._free_batches[rid]

@@ -13,6 +13,7 @@ import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.client import FREE_BATCH, Client
 from gridgraph.exec.transport import LocalBus
+from gridgraph.exec.worker import client_topic, worker_topic
 
 
 def test_pointer_holds_metadata_only(grid):
@@ -363,6 +364,27 @@ def test_a_reply_naming_no_request_id_is_dropped_quietly(local_grid, re):
     forged = wire.encode({"kind": "reply", "re": re, "ok": True})
     mallory.publish(local_grid.client.topic, forged)  # raised in the client's handler before
     assert torch.equal((p * 2).get(), x * 2)
+
+
+@pytest.mark.parametrize("error", [5, "boom", None, [1]], ids=["int", "text", "none", "list"])
+def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
+    # A worker (one the client chose; it may be broken or hostile) answered "ok": false with
+    # an error that is not a map: the client raised AttributeError from deep inside a wait.
+    bus = LocalBus()
+    client = Client(bus.endpoint("client"), ["w0"])
+    worker = bus.endpoint("w0")
+
+    def answer(sender: str, payload: bytes) -> None:
+        msg = wire.decode(payload)
+        reply = {"kind": "reply", "re": msg["id"], "ok": False, "error": error}
+        worker.publish(client_topic(sender, msg["session"]), wire.encode(reply))
+
+    worker.subscribe(worker_topic("w0"), answer)
+    with pytest.raises(gg.RemoteError, match="malformed error reply"):
+        client.request("w0", {"kind": "ping"})
+    with pytest.raises(gg.RemoteError, match="malformed error reply"):
+        client._send("w0", {"kind": "free"}, awaited=False)  # (its reply is read too)
+        client.request("w0", {"kind": "ping"})
 
 
 @pytest.mark.parametrize("retry_after", [0, -1.0, float("nan"), float("inf"), True, "1"])

@@ -194,6 +194,46 @@ def test_a_data_dependent_op_whose_run_was_lost_is_resent_after_its_learned_wait
         assert len(grid.client._programs_sent["w0"]) < 8  # (each ran once; none is kept)
 
 
+class SlowResendBus(LocalBus):
+    """Drops the first ping to w0; its resend then takes until `go` is set (a publish that
+    takes a while, as one on IPFS does), and says so in `resending`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: str | None = None  # the request id of the ping lost
+        self.resending, self.go = threading.Event(), threading.Event()
+
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
+        msg = wire.decode(payload)
+        if topic == worker_module.worker_topic("w0") and msg.get("kind") == "ping":
+            if self.lost is None:
+                self.lost = msg["id"]
+                return
+            if msg["id"] == self.lost:
+                self.resending.set()
+                self.go.wait(20)
+        super()._deliver(sender, topic, payload, to)
+
+
+def test_a_slow_resend_holds_up_no_other_request():
+    # The client resent while holding the lock every reply is taken under: a resend that
+    # took a while (a call to Kubo) held up every other thread's replies as long.
+    bus = SlowResendBus()
+    workers = [Worker(name, bus.endpoint(name), limits=Limits.unlimited()) for name in ("w0", "w1")]
+    client = Client(bus.endpoint("client"), ["w0", "w1"], retry_after=0.1)
+    with Grid(client, on_close=lambda: [w.close() for w in workers], local_workers=workers):
+        first = threading.Thread(target=client.request, args=("w0", {"kind": "ping"}))
+        first.start()
+        assert bus.resending.wait(20)
+        try:
+            assert client.request("w1", {"kind": "ping"})["ok"]  # answered meanwhile
+            assert first.is_alive()  # (its resend is still going out)
+        finally:
+            bus.go.set()
+            first.join(20)
+        assert not first.is_alive()
+
+
 def _frees_dead_pointers(grid: Grid, x: gg.RemoteTensor) -> int:
     """Compute FREE_BATCH values from `x` on its worker and let their pointers die; the
     number of values the worker then holds for this client."""
