@@ -556,15 +556,19 @@ class Client:
         """Put back into `frees` the ids of the batches of frees to `worker` that were
         refused, or whose reply has not come within retry_after (lost, most likely: if it
         was only late, the ids are freed twice, and the second time frees nothing). Left
-        out, a lost batch's values stayed on the worker until the session ended."""
+        out, a lost batch's values stayed on the worker until the session ended. Those of a
+        worker gone are dropped: it holds nothing any more, and each batch to it would
+        carry all the earlier ones again."""
         if not self._free_batches:
             return
-        now = time.monotonic()
+        now, alive = time.monotonic(), self.alive(worker)
         with self._cv:
             for rid, batch in list(self._free_batches.items()):
-                if batch.worker == worker and (
-                    batch.refused or now - batch.sent_at > self.retry_after
-                ):
+                if batch.worker != worker:
+                    continue
+                if not alive:
+                    del self._free_batches[rid]
+                elif batch.refused or now - batch.sent_at > self.retry_after:
                     del self._free_batches[rid]
                     self.frees[worker].extend(batch.ids)
 
@@ -633,7 +637,7 @@ class Client:
         its frees go with the next request to its worker."""
         replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
         for w, reply in replies.items():
-            if not reply.get("ok") and reply["error"].get("refused"):
+            if _freed_nothing(reply):
                 self.frees[w].extend(self._outstanding[rids[w]][2])
         return replies
 
@@ -660,10 +664,10 @@ class Client:
             batch = self._free_batches.get(rid)
             if batch is not None:
                 if sender == batch.identity:  # (from the worker it went to, as below)
-                    if not msg.get("ok") and msg["error"].get("refused"):
+                    if _freed_nothing(msg):
                         batch.refused = True  # its ids go with the next request
                     else:
-                        del self._free_batches[rid]
+                        self._free_batches.pop(rid, None)
                 return
             outstanding = self._outstanding.get(rid)
             if outstanding is None or sender != outstanding[0]:
@@ -688,13 +692,23 @@ class Client:
             except (GridError, WorkerLost, SessionLost):  # gone already: nothing to free
                 pass
         self.closed = True
-        self._free_batches.clear()  # (the byes freed everything)
+        with self._cv:
+            self._free_batches.clear()  # (the byes freed everything)
         self.transport.close()
 
 
 # Ops that make or take sparse, mkldnn or nested tensors: workers hold, compute and send
 # dense strided tensors only (the wire format carries nothing else).
 _OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
+
+
+def _freed_nothing(reply: dict) -> bool:
+    """Whether the request `reply` answers was refused by a session that goes on, so that
+    its frees must go again (one whose session ended or was lost: its worker freed all)."""
+    if reply.get("ok"):
+        return False
+    error = reply["error"]  # (a map: `_on_reply` saw to it)
+    return bool(error.get("refused")) and error.get("code") not in SESSION_GONE
 
 
 @functools.cache

@@ -10,6 +10,8 @@ reset any of it:
                runs at most once. Replies are kept for the REPLIES_KEPT latest requests and
                bare ids for the RECORDS_KEPT latest (a resend of an older one is told so)
     rng        its random stream (`worker.manual_seed` seeds only this)
+    reply_topic  where its client hears replies: the sender's own topic for the session id
+               (worker.client_topic), set when a request is accepted; no request names it
     traffic    messages and bytes the worker sent for it; `ops_run`
     sent       transfers it sent to other workers, kept for resending (ipfs) to the identity
                they were sent to, and to no other

@@ -270,6 +270,56 @@ def test_a_lost_batch_of_frees_goes_again_with_the_next_request():
         assert torch.equal(z.get(), x.get() * 2) and torch.equal(w.get(), x.get() * 3)
 
 
+class FreeCountingBus(LocalBus):
+    """A local bus that notes how many ids each batch of frees carries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
+        msg = wire.decode(payload)
+        if msg.get("kind") == "free":
+            self.batches.append(len(msg["free"]))
+        super()._deliver(sender, topic, payload, to)
+
+
+def test_frees_for_a_session_its_worker_ended_are_not_sent_again():
+    # Every error reply says "refused": the batches to a worker that had ended the session
+    # (its lease ran out) were refiled for ever, each carrying all the earlier ones again.
+    bus = FreeCountingBus()
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    client = Client(bus.endpoint("client"), ["w0"], retry_after=0.05)
+    with Grid(client, on_close=worker.close, local_workers=[worker]) as grid:
+        x = torch.ones(2).send(grid.workers[0])
+        with gg.trace():
+            halves = [[x + i for i in range(FREE_BATCH)] for _ in range(2)]
+        gg.compute(*halves[0], *halves[1])
+        worker.expire_clients(0)  # the worker frees all of it, and the session ends
+        for _ in range(2):
+            halves.pop()
+            gc.collect()
+            with pytest.raises(gg.SessionLost):  # (the batch goes out first, is refused)
+                x * 2
+        assert bus.batches == [FREE_BATCH, FREE_BATCH]  # not 512, then 1024
+        assert not grid.client._free_batches
+
+
+def test_frees_for_a_worker_gone_are_not_sent_again():
+    # Unanswered, each batch to a worker that had died was refiled into the next, which
+    # carried all the earlier ones again.
+    bus, alive = FreeCountingBus(), [True]  # (no worker answers on this bus)
+    client = Client(bus.endpoint("client"), ["w0"], retry_after=0.01, alive=lambda w: alive[0])
+    client.frees["w0"] = list(range(FREE_BATCH))
+    client._send("w0", {"kind": "free"}, awaited=False)
+    time.sleep(0.05)  # (past retry_after: lost)
+    alive[0] = False
+    client.frees["w0"] = list(range(FREE_BATCH, 2 * FREE_BATCH))
+    client._send("w0", {"kind": "free"}, awaited=False)
+    assert bus.batches == [FREE_BATCH, FREE_BATCH]
+    assert len(client._free_batches) == 1  # the last one, until its own turn
+
+
 def test_a_refused_batch_of_frees_goes_again_with_the_next_request():
     # A worker refuses a request over its peer's rate, and frees nothing then: the ids of a
     # refused batch of frees were dropped by the client all the same.
