@@ -5,6 +5,7 @@ State:
     live       value id -> cell of the pointer that names it now
     failed     value id -> the RemoteError that kept it from being computed
     frees      per worker, value ids to free, sent with the next request to that worker
+               (under _cv: a reply on the transport's thread may put some back)
     batches    the batches of frees sent on their own (once FREE_BATCH ids wait for one
                worker), unawaited, until their reply: the ids of one lost or refused go
                back into `frees`, sent with the next request to that worker
@@ -218,7 +219,8 @@ class Client:
             if value is None or vid in pending_inputs or value.producer in self.graph:
                 continue  # pending: the plan frees it after its last use
             if value.location is not None:
-                self.frees[value.location].append(vid)
+                with self._cv:
+                    self.frees[value.location].append(vid)
             del self.graph.values[vid]
         for w, ids in self.frees.items():
             if len(ids) >= FREE_BATCH:
@@ -419,7 +421,8 @@ class Client:
         for vid in slots:
             value = self.graph.values.get(vid)
             if vid not in keep and value is not None and value.location is not None:
-                self.frees[value.location].append(vid)
+                with self._cv:
+                    self.frees[value.location].append(vid)
 
     def _run_plan(
         self,
@@ -537,10 +540,11 @@ class Client:
         resending (kept, each stayed for ever, with its reply): its reply only tells whether
         its ids were freed (`_free_batches`)."""
         rid = next(self._request_ids)
-        self._refile_frees(worker)
-        frees = self.frees[worker]
+        alive = self.alive(worker)
+        with self._cv:  # (another thread's reply may put frees back meanwhile)
+            self._refile_frees(worker, alive)
+            frees, self.frees[worker] = self.frees[worker], []
         msg = {**msg, "id": rid, "session": self.session, "free": frees}
-        self.frees[worker] = []
         payload = wire.encode(msg)
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
@@ -552,25 +556,20 @@ class Client:
         self.transport.publish(topic, payload, counted, identity)
         return rid
 
-    def _refile_frees(self, worker: str) -> None:
-        """Put back into `frees` the ids of the batches of frees to `worker` that were
-        refused, or whose reply has not come within retry_after (lost, most likely: if it
-        was only late, the ids are freed twice, and the second time frees nothing). Left
-        out, a lost batch's values stayed on the worker until the session ended. Those of a
-        worker gone are dropped: it holds nothing any more, and each batch to it would
-        carry all the earlier ones again."""
-        if not self._free_batches:
+    def _refile_frees(self, worker: str, alive: bool) -> None:
+        """Put back into `frees` (under _cv) the ids of the batches of frees to `worker`
+        that were refused, or whose reply has not come within retry_after (lost, most
+        likely: if it was only late, the ids are freed twice, and the second time frees
+        nothing). Left out, a lost batch's values stayed on the worker until the session
+        ended. None go to a worker that looks gone (on IPFS: no heartbeat for a while):
+        each batch would carry all the earlier ones again; kept, they go if it comes back."""
+        if not alive or not self._free_batches:
             return
-        now, alive = time.monotonic(), self.alive(worker)
-        with self._cv:
-            for rid, batch in list(self._free_batches.items()):
-                if batch.worker != worker:
-                    continue
-                if not alive:
-                    del self._free_batches[rid]
-                elif batch.refused or now - batch.sent_at > self.retry_after:
-                    del self._free_batches[rid]
-                    self.frees[worker].extend(batch.ids)
+        now = time.monotonic()
+        for rid, batch in list(self._free_batches.items()):
+            if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
+                del self._free_batches[rid]
+                self.frees[worker].extend(batch.ids)
 
     def _sent(self, rid: str) -> bytes:
         """The payload of outstanding request `rid`, as sent."""
@@ -658,8 +657,16 @@ class Client:
         rid = msg.get("re")
         if msg.get("kind") != "reply" or type(rid) is not str:
             return
-        if not msg.get("ok") and not isinstance(msg.get("error"), dict):  # (read as a dict)
-            msg["error"] = {"worker": sender, "message": "a malformed error reply"}
+        msg["ok"] = msg.get("ok") is True  # (a worker may be broken or hostile: what the
+        if not msg["ok"]:  # client reads of an error is made plain data here, once)
+            error = msg.get("error")
+            if not isinstance(error, dict):
+                error = {"worker": sender, "message": "a malformed error reply"}
+            code = error.get("code")
+            error["code"] = code if isinstance(code, str) else None
+            error["refused"] = error.get("refused") is True
+            error["upstream"] = error.get("upstream") is True
+            msg["error"] = error
         with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
             batch = self._free_batches.get(rid)
             if batch is not None:

@@ -387,6 +387,31 @@ def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
         client.request("w0", {"kind": "ping"})
 
 
+@pytest.mark.parametrize(
+    "field", ["ok", "code", "refused", "upstream"], ids=lambda f: f"unhashable-{f}"
+)
+def test_an_error_reply_whose_fields_are_not_plain_raises_a_remote_error(field):
+    # A list as an error's code, or a tensor as "ok", raised TypeError or RuntimeError
+    # (the truth value of a tensor) in the client, on the transport's thread or in a wait.
+    bus = LocalBus()
+    client = Client(bus.endpoint("client"), ["w0"])
+    worker = bus.endpoint("w0")
+    odd = torch.ones(2) if field == "ok" else [1]
+
+    def answer(sender: str, payload: bytes) -> None:
+        msg = wire.decode(payload)
+        error = {"message": "no", "refused": True, "code": "x"}
+        reply = {"kind": "reply", "re": msg["id"], "ok": False, "error": error}
+        (reply if field == "ok" else error)[field] = odd
+        worker.publish(client_topic(sender, msg["session"]), wire.encode(reply))
+
+    worker.subscribe(worker_topic("w0"), answer)
+    client.frees["w0"] = [1, 2]
+    client._send("w0", {"kind": "free"}, awaited=False)  # (its reply goes through the same)
+    with pytest.raises(gg.RemoteError):
+        client.request("w0", {"kind": "ping"})
+
+
 @pytest.mark.parametrize("retry_after", [0, -1.0, float("nan"), float("inf"), True, "1"])
 def test_a_client_refuses_a_wait_before_resending_that_is_not_a_positive_number(retry_after):
     # (0 made every wait for a reply resend the request in a loop)
