@@ -205,6 +205,7 @@ class Client:
         if not self._dead:
             return
         pending_inputs = {v for n in self.graph.nodes() for v in n.inputs()}
+        released: defaultdict[str, list[int]] = defaultdict(list)  # worker -> value ids
         while self._dead:
             cell = self._dead.popleft()
             vid = cell.vid
@@ -219,9 +220,11 @@ class Client:
             if value is None or vid in pending_inputs or value.producer in self.graph:
                 continue  # pending: the plan frees it after its last use
             if value.location is not None:
-                with self._cv:
-                    self.frees[value.location].append(vid)
+                released[value.location].append(vid)
             del self.graph.values[vid]
+        with self._cv:
+            for w, ids in released.items():
+                self.frees[w].extend(ids)
         for w, ids in self.frees.items():
             if len(ids) >= FREE_BATCH:
                 self._send(w, {"kind": "free"}, awaited=False)
@@ -540,9 +543,10 @@ class Client:
         resending (kept, each stayed for ever, with its reply): its reply only tells whether
         its ids were freed (`_free_batches`)."""
         rid = next(self._request_ids)
-        alive = self.alive(worker)
+        refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
         with self._cv:  # (another thread's reply may put frees back meanwhile)
-            self._refile_frees(worker, alive)
+            if refile:
+                self._refile_frees(worker)
             frees, self.frees[worker] = self.frees[worker], []
         msg = {**msg, "id": rid, "session": self.session, "free": frees}
         payload = wire.encode(msg)
@@ -556,15 +560,14 @@ class Client:
         self.transport.publish(topic, payload, counted, identity)
         return rid
 
-    def _refile_frees(self, worker: str, alive: bool) -> None:
+    def _refile_frees(self, worker: str) -> None:
         """Put back into `frees` (under _cv) the ids of the batches of frees to `worker`
         that were refused, or whose reply has not come within retry_after (lost, most
         likely: if it was only late, the ids are freed twice, and the second time frees
         nothing). Left out, a lost batch's values stayed on the worker until the session
-        ended. None go to a worker that looks gone (on IPFS: no heartbeat for a while):
-        each batch would carry all the earlier ones again; kept, they go if it comes back."""
-        if not alive or not self._free_batches:
-            return
+        ended. `_send` calls it only for a worker alive: to one that looks gone (on IPFS, no
+        heartbeat for a while) each batch would carry all the earlier ones again; kept,
+        they go if it comes back."""
         now = time.monotonic()
         for rid, batch in list(self._free_batches.items()):
             if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
