@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -88,6 +90,24 @@ def lossy_grid(bus: LossyBus) -> Grid:
     return Grid(client, on_close=stop_workers, local_workers=workers)
 
 
+def losing_one(bus: LossyBus, once: Callable[[], Any], times: int = 8, warm_up: int = 5) -> list:
+    """What `once()` returns, called `times` times on a thread of its own, with the bus armed
+    from call `warm_up` on. Fails unless they all end within 30 s (a fixed wait is LONG)."""
+    got, finished = [], threading.Event()
+
+    def run() -> None:
+        for i in range(times):
+            bus.armed = bus.armed or i == warm_up
+            got.append(once())
+        finished.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert finished.is_set(), f"a lost {bus.kind} waited for the fixed {LONG} s"
+    return got
+
+
 def train(grid: Grid, bus: LossyBus, steps: int = 8, warm_up: int = 5) -> torch.Tensor:
     """Least squares by gradient descent, the data on w1 and the weights on w0, so that every
     step has transfers both ways; drops a message from the step after `warm_up` on.
@@ -105,19 +125,12 @@ def train(grid: Grid, bus: LossyBus, steps: int = 8, warm_up: int = 5) -> torch.
     compiled = gg.compile(step)
     w = torch.zeros(3, 1).send(grid.workers[0])
     expected = torch.zeros(3, 1)
-    finished = threading.Event()
 
-    def run() -> None:
+    def one_step() -> None:
         nonlocal w
-        for i in range(steps):
-            bus.armed = bus.armed or i == warm_up
-            w = compiled(w)
-        finished.set()
+        w = compiled(w)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(30)
-    assert finished.is_set(), f"a step that lost a {bus.kind} waited for the fixed {LONG} s"
+    losing_one(bus, one_step, steps, warm_up)
     assert bus.dropped == 1 and compiled.replays > 0
     for _ in range(steps):
         expected = expected - 0.01 * (X.T @ (X @ expected - Y))
@@ -149,19 +162,8 @@ def test_a_lost_batch_sent_each_step_is_sent_again_after_the_learned_wait():
     bus = LossyBus("put")
     with lossy_grid(bus) as grid:
         batches = [torch.randn(8, 3) for _ in range(8)]
-        finished = threading.Event()
-        got = []
-
-        def send_all() -> None:
-            for i, batch in enumerate(batches):
-                bus.armed = bus.armed or i == 5
-                got.append(batch.send(grid.workers[1]))
-            finished.set()
-
-        thread = threading.Thread(target=send_all, daemon=True)
-        thread.start()
-        thread.join(30)
-        assert finished.is_set(), f"a lost put waited for the fixed {LONG} s"
+        unsent = iter(batches)
+        got = losing_one(bus, lambda: next(unsent).send(grid.workers[1]))
         assert bus.dropped == 1
         for pointer, batch in zip(got, batches):
             assert torch.equal(pointer.get(), batch)
@@ -176,18 +178,7 @@ def test_a_data_dependent_op_whose_run_was_lost_is_resent_after_its_learned_wait
         a = torch.randn(64)
         x = a.send(grid.workers[0])
         mask = x > 0
-        finished, got = threading.Event(), []
-
-        def select_all() -> None:
-            for i in range(8):
-                bus.armed = bus.armed or i == 5
-                got.append(x[mask])
-            finished.set()
-
-        thread = threading.Thread(target=select_all, daemon=True)
-        thread.start()
-        thread.join(30)
-        assert finished.is_set(), f"a lost run waited for the fixed {LONG} s"
+        got = losing_one(bus, lambda: x[mask])
         assert bus.dropped == 1
         for pointer in got:
             assert torch.equal(pointer.get(), a[a > 0])
