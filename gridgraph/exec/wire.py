@@ -121,6 +121,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _ALIGN = 64
+SMALL_HEADER = 4096  # bytes: see `decode`
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
 MAX_DIMS = 64
@@ -329,21 +330,29 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
         raise WireError(f"message header of {n} bytes is over the limit of {MAX_HEADER_BYTES}")
     if 4 + n > len(payload):
         raise WireError("message header is truncated")
-    if not isinstance(payload, bytearray) and len(payload) > 4 + n:
+    start = 4 + n + -(4 + n) % _ALIGN
+    if not isinstance(payload, bytearray) and len(payload) > start:
         payload = bytearray(payload)  # tensors need a writable buffer
-    decoder = _Decoder(_aligned(memoryview(payload)[4 + n + -(4 + n) % _ALIGN :]))
+    data = memoryview(payload)[start:]
+    decoder = None  # made at the first tensor: most messages (requests, replies) hold none
 
     def ext_hook(code: int, ext: bytes) -> Any:
-        if code == 3:
-            return decoder.tensor(msgpack.unpackb(ext))
-        return _ext_hook(code, ext)
+        nonlocal decoder
+        if code != 3:
+            return _ext_hook(code, ext)
+        if decoder is None:
+            decoder = _Decoder(_aligned(data))
+        return decoder.tensor(msgpack.unpackb(ext))
 
-    # No garbage collection while the header is built: its containers hold no cycles, yet
-    # each 700 of them made set off a collection, and every few of those one over the whole
-    # heap (torch's objects too). A 1 MiB header of empty lists took 0.8 s, holding the
-    # interpreter lock, on the thread every sender's messages arrive on; 0.04 s without.
-    collecting = gc.isenabled()
-    gc.disable()
+    # No garbage collection while a large header is built: its containers hold no cycles,
+    # yet each 700 of them made set off a collection, and every few of those one over the
+    # whole heap (torch's objects too). A 1 MiB header of empty lists took 0.8 s, holding
+    # the interpreter lock, on the thread every sender's messages arrive on; 0.04 s without.
+    # (One of at most SMALL_HEADER bytes sets off a few collections of young objects at
+    # most; most messages are that small, and they skip the two calls.)
+    collecting = n > SMALL_HEADER and gc.isenabled()
+    if collecting:
+        gc.disable()
     try:
         msg = msgpack.unpackb(
             memoryview(payload)[4 : 4 + n], ext_hook=ext_hook, raw=False, strict_map_key=False
@@ -355,8 +364,12 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
     finally:
         if collecting:  # (left off if the program had turned it off)
             gc.enable()
-    decoder.check_regions()
+    if decoder is None and data:
+        decoder = _Decoder(data)  # (no tensor: it says which bytes none covers)
+    if decoder is not None:
+        decoder.check_regions()
     if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
         raise WireError("a message must be a map with a 'kind'")
-    decoder.own_memory()
+    if decoder is not None:
+        decoder.own_memory()
     return msg

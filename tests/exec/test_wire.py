@@ -196,6 +196,31 @@ def test_decoding_a_header_of_many_containers_sets_off_no_garbage_collection():
         gc.enable()
 
 
+def test_a_small_header_of_many_containers_sets_off_no_collection_over_the_whole_heap():
+    # A header up to SMALL_HEADER bytes is decoded with the collector on (turning it off
+    # and on again cost most messages more than it saved): a few young collections at most.
+    payload = wire.encode({"kind": "ping", "pad": [[]] * (wire.SMALL_HEADER - 32)})
+    collections = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        assert len(wire.decode(payload)["pad"]) == wire.SMALL_HEADER - 32
+    finally:
+        gc.callbacks.remove(count)
+    assert 2 not in collections
+
+
+def test_a_data_region_and_no_tensor_is_refused():
+    # (a message without tensors makes no tensor decoder: its data region is checked anyway)
+    with pytest.raises(wire.WireError, match="64 bytes that no tensor covers"):
+        wire.decode(frame({"kind": "ping"}, bytes(64)))
+    assert wire.decode(frame({"kind": "ping"}, b""))["kind"] == "ping"
+
+
 def test_a_dtype_the_receiver_would_refuse_is_refused_when_sending():
     # complex32 went out as an argument, the worker dropped the message, the client waited.
     with pytest.raises(wire.WireError, match="complex32 cannot be sent"):
