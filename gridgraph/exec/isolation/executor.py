@@ -64,6 +64,7 @@ import math
 import multiprocessing
 import os
 import resource
+import select
 import signal
 import threading
 import time
@@ -174,7 +175,7 @@ class Executor:
             self.channel.send(["request", held], payload)
             while True:  # (the limit holds even while frames keep coming)
                 left = kill_at - time.monotonic()
-                if left <= 0 or not self.channel.conn.poll(min(left, 1e6)):
+                if left <= 0 or not self.channel.readable(left):
                     self._end(over_time)
                 frame, data = self.channel.receive(self.max_data)
                 # Every frame is checked: a kernel bug may have handed the client's program
@@ -385,6 +386,13 @@ class _Channel:
 
     def __init__(self, conn: Connection, out: int, into: int) -> None:
         self.conn, self.out, self.into = conn, out, into
+        # (Connection.poll makes a selector per call: this path is every request's)
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
+
+    def readable(self, seconds: float) -> bool:
+        """Whether a frame (or the end of the pipe) can be read within `seconds`."""
+        return bool(self._poller.poll(math.ceil(min(seconds, 1e6) * 1000)))
 
     def send(self, frame: list, data: bytes | bytearray | None = None) -> None:
         if data is None:
