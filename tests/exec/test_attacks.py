@@ -20,7 +20,6 @@ import time
 import uuid
 
 import local_peer
-import msgpack
 import pytest
 import torch
 from arena import arena_fixture  # noqa: F401 (fixtures)
@@ -29,7 +28,7 @@ from hostile import Peer, call, frame, run, tensor_ref
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import Kubo
-from gridgraph.exec.ipfs.transport import pack_blocks
+from gridgraph.exec.ipfs.transport import pack_blocks, sealed_blocks
 from gridgraph.exec.limits import Limits
 from gridgraph.exec.worker import worker_topic
 from gridgraph.schedule.plan import Slot
@@ -294,9 +293,9 @@ def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, outsider_no
             attacker.kubo.pubsub_pub(attacker.wire_topic(topic), pack_blocks(refs, 2 << 19))
         worker, ack = attacker.recipient(topic), ACK_PREFIX + victim.transport.identity
         for receiver, on in [(worker, topic)] * 4 + [(victim.transport.identity, ack)] * 4:
-            body = {"b": [[missing_cid(), 1 << 19] for _ in range(256)], "t": 256 << 19,
-                    "k": os.urandom(32), "i": os.urandom(16)}  # fmt: skip
-            sealed = attacker.channel.seal(receiver, on, msgpack.packb(body))
+            refs = [(missing_cid(), 1 << 19) for _ in range(256)]
+            body = sealed_blocks(refs, 256 << 19, os.urandom(32), os.urandom(16))
+            sealed = attacker.channel.seal(receiver, on, body)
             attacker.kubo.pubsub_pub(attacker.wire_topic(on), sealed)
         # Stalled, the worker would not answer for minutes; it must in seconds, large
         # payloads both ways included (2 MiB: blocks, to the worker and back).
@@ -329,9 +328,9 @@ def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
         topic = worker_topic(theirs)
         attacker.wait_for_peers(topic, 1, timeout=30)
         cids = [attacker.kubo.block_put(os.urandom(1 << 19)) for _ in range(4)]
-        body = {"b": [[cid, 1 << 19] for cid in cids], "t": 4 << 19, "k": os.urandom(32),
-                "i": os.urandom(16)}  # fmt: skip
-        sealed = attacker.channel.seal(attacker.recipient(topic), topic, msgpack.packb(body))
+        body = sealed_blocks([(cid, 1 << 19) for cid in cids], 4 << 19, os.urandom(32),
+                             os.urandom(16))  # fmt: skip
+        sealed = attacker.channel.seal(attacker.recipient(topic), topic, body)
         attacker.kubo.pubsub_pub(attacker.wire_topic(topic), sealed)
         worker_peer = worker_node.id()
         for _ in range(300):  # until the worker's node has fetched them all

@@ -31,7 +31,7 @@ from gridgraph.exec.ipfs.client import grid_over
 from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
-from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.ipfs.transport import GridTransport, sealed_inline
 from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
 
 pytestmark = pytest.mark.ipfs
@@ -266,7 +266,7 @@ def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, at
     w1 = worker(ipfs_workers, "w1")
     before = w1.log.read_text(errors="replace").count(logged)
     topic = worker_topic("w1")
-    body = msgpack.packb({"d": wire.encode(attacker.envelope({"kind": "ping", "free": []}))})
+    body = sealed_inline(wire.encode(attacker.envelope({"kind": "ping", "free": []})))
     channel = attacker.transport.channel
     receiver = attacker.transport.recipient(topic)
     if how == "wrong key":  # sealed for another key than w1's
