@@ -627,6 +627,15 @@ class Client:
                     if waiting:  # (and at least every 0.25 s, to notice a worker gone)
                         next_due = min(due[w] for w in waiting) - time.monotonic()
                         self._cv.wait(min(0.25, max(0.0, next_due)))
+        except BaseException:  # (timed out, a worker lost, interrupted): a request with no
+            # reply may never have reached its worker, nor one refused freed anything, so
+            # their frees go with the next request (freeing twice frees nothing)
+            with self._cv:
+                for w, rid in rids.items():
+                    reply, outstanding = self._replies.get(rid), self._outstanding.get(rid)
+                    if outstanding is not None and (reply is None or _freed_nothing(reply)):
+                        self.frees[w].extend(outstanding[2])
+            raise
         finally:
             with self._cv:
                 self._waiting.remove(needed)

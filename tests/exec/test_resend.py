@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import gridgraph as gg
+from gridgraph.errors import GridError
 from gridgraph.exec import session, wire
 from gridgraph.exec import worker as worker_module
 from gridgraph.exec.client import FREE_BATCH, Client
@@ -259,6 +260,42 @@ def test_a_lost_batch_of_frees_goes_again_with_the_next_request():
         w = x * 3  # this request carries the batch's ids again
         assert len(_session_of(grid).store) == 3  # x, z and w
         assert torch.equal(z.get(), x.get() * 2) and torch.equal(w.get(), x.get() * 3)
+
+
+class DeafBus(LocalBus):
+    """A local bus that drops every request to a worker while `deaf` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deaf = False
+
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
+        if not (self.deaf and topic.startswith("gridgraph.worker.")):
+            super()._deliver(sender, topic, payload, to)
+
+
+def test_the_frees_of_a_request_that_timed_out_go_again_with_the_next_request():
+    # A request carries the releases of pointers that died; when it timed out unanswered
+    # (GridError), they were dropped with it, and their values stayed on the worker until
+    # the session ended.
+    bus = DeafBus()
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    client = Client(bus.endpoint("client"), ["w0"], timeout=0.3, retry_after=0.05)
+    with Grid(client, on_close=worker.close, local_workers=[worker]) as grid:
+        x = torch.ones(2).send(grid.workers[0])
+        with gg.trace():
+            ys = [x + i for i in range(10)]  # (fewer than a batch of frees of their own)
+        gg.compute(*ys)
+        del ys
+        gc.collect()
+        bus.deaf = True
+        with pytest.raises(GridError, match="did not answer"):
+            x * 2  # (its request carries the 10 releases, and is lost, resends and all)
+        assert len(_session_of(grid).store) == 11
+        bus.deaf = False
+        w = x * 3  # this request carries them again
+        assert len(_session_of(grid).store) == 2  # x and w
+        assert torch.equal(w.get(), x.get() * 3)
 
 
 class FreeCountingBus(LocalBus):
