@@ -5,7 +5,8 @@ State:
     live       value id -> cell of the pointer that names it now
     failed     value id -> the RemoteError that kept it from being computed
     frees      per worker, value ids to free, sent with the next request to that worker
-               (under _cv: a reply on the transport's thread may put some back)
+               (under _cv: a reply on the transport's thread may put some back); those of
+               a request refused, or that ends without its reply, go back here
     batches    the batches of frees sent on their own (once FREE_BATCH ids wait for one
                worker), unawaited, until their reply: the ids of one lost or refused go
                back into `frees`, sent with the next request to that worker
