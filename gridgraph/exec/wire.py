@@ -121,7 +121,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 _ALIGN = 64
-SMALL_HEADER = 4096  # bytes: see `decode`
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
 MAX_DIMS = 64
@@ -344,15 +343,14 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
             decoder = _Decoder(_aligned(data))
         return decoder.tensor(msgpack.unpackb(ext))
 
-    # No garbage collection while a large header is built: its containers hold no cycles,
-    # yet each 700 of them made set off a collection, and every few of those one over the
-    # whole heap (torch's objects too). A 1 MiB header of empty lists took 0.8 s, holding
-    # the interpreter lock, on the thread every sender's messages arrive on; 0.04 s without.
-    # (One of at most SMALL_HEADER bytes sets off a few collections of young objects at
-    # most; most messages are that small, and they skip the two calls.)
-    collecting = n > SMALL_HEADER and gc.isenabled()
-    if collecting:
-        gc.disable()
+    # No garbage collection while the header is built: its containers hold no cycles, yet
+    # each 700 of them made set off a collection, and every few of those one over the whole
+    # heap (torch's objects too). A 1 MiB header of empty lists took 0.8 s, holding the
+    # interpreter lock, on the thread every sender's messages arrive on; 0.04 s without.
+    # Small headers too: each collection promotes the containers still being built, and a
+    # stream of 4 KiB ones set off collections over the whole heap, at 10 times the cost.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         msg = msgpack.unpackb(
             memoryview(payload)[4 : 4 + n], ext_hook=ext_hook, raw=False, strict_map_key=False
