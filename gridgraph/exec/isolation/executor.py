@@ -391,7 +391,10 @@ class _Channel:
         self._poller.register(conn.fileno(), select.POLLIN)
 
     def readable(self, seconds: float) -> bool:
-        """Whether a frame (or the end of the pipe) can be read within `seconds`."""
+        """Whether a frame (or the end of the pipe) can be read within `seconds`. Raises
+        OSError once closed (the poll object would wait on whatever has the number now)."""
+        if self.conn.closed:
+            raise OSError("the executor's pipe is closed")
         return bool(self._poller.poll(math.ceil(min(seconds, 1e6) * 1000)))
 
     def send(self, frame: list, data: bytes | bytearray | None = None) -> None:

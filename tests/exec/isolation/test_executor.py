@@ -266,6 +266,18 @@ def test_one_peer_cannot_take_every_executor_place():
             client.close()
 
 
+def test_waiting_for_a_frame_on_a_closed_channel_fails_at_once():
+    # The poll object made once per channel keeps the pipe's descriptor number: once closed
+    # (its session ended under a serving thread), that number may be another executor's
+    # pipe or a socket by now, and a wait on it lasted up to the time limit.
+    handle, _ = _taken_over()
+    handle.channel.close()
+    start = time.monotonic()
+    with pytest.raises(OSError, match="closed"):
+        handle.channel.readable(60)
+    assert time.monotonic() - start < 1
+
+
 class _Flooding:
     """The pipe from a taken-over executor that always has another valid transfer of its own
     run waiting (for 30 s, then it ends)."""
