@@ -628,14 +628,9 @@ class Client:
                     if waiting:  # (and at least every 0.25 s, to notice a worker gone)
                         next_due = min(due[w] for w in waiting) - time.monotonic()
                         self._cv.wait(min(0.25, max(0.0, next_due)))
-        except BaseException:  # (timed out, a worker lost, interrupted): a request with no
-            # reply may never have reached its worker, nor one refused freed anything, so
-            # their frees go with the next request (freeing twice frees nothing)
+        except BaseException:  # (timed out, a worker lost, interrupted)
             with self._cv:
-                for w, rid in rids.items():
-                    reply, outstanding = self._replies.get(rid), self._outstanding.get(rid)
-                    if outstanding is not None and (reply is None or _freed_nothing(reply)):
-                        self.frees[w].extend(outstanding[2])
+                self._put_frees_back(rids)
             raise
         finally:
             with self._cv:
@@ -645,13 +640,19 @@ class Client:
                     self._replies.pop(rid, None)
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
-        """The replies to `rids`, all in (under _cv); a refused request freed nothing, so
-        its frees go with the next request to its worker."""
-        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
-        for w, reply in replies.items():
-            if _freed_nothing(reply):
-                self.frees[w].extend(self._outstanding[rids[w]][2])
-        return replies
+        """The replies to `rids`, all in (under _cv)."""
+        self._put_frees_back(rids)
+        return {w: self._replies.pop(rid) for w, rid in rids.items()}
+
+    def _put_frees_back(self, rids: dict[str, str]) -> None:
+        """(under _cv) The frees of the requests among `rids` that freed nothing go with
+        the next request to their worker: those refused (`_freed_nothing`), and those with
+        no reply when their wait ended, which may never have reached it (freeing twice
+        frees nothing)."""
+        for w, rid in rids.items():
+            reply, outstanding = self._replies.get(rid), self._outstanding.get(rid)
+            if outstanding is not None and (reply is None or _freed_nothing(reply)):
+                self.frees[w].extend(outstanding[2])
 
     def _values_on(self, worker: str) -> list[str]:
         """Describe the live values stored on `worker`, for WorkerLost."""
