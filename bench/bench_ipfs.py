@@ -127,16 +127,23 @@ def round_trips(echo: Echo, grid: gg.Grid, rounds: int) -> tuple[list, list]:
     return gg_rtt, raw_rtt
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the process name (state, parent, ...), or None if
+    there is no such process (gone meanwhile)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces)
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system, all threads) the processes `pids` used so far."""
     ticks = 0
     for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces)
-        ticks += int(fields[11]) + int(fields[12])
+        fields = stat_fields(pid)
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -144,13 +151,9 @@ def descendants(pid: int) -> list[int]:
     """The processes below `pid` (a worker's forkserver and executors)."""
     parents = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # not a process, or gone
-            continue
-        parents[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+        fields = stat_fields(entry.name) if entry.name.isdigit() else None
+        if fields is not None:
+            parents[int(entry.name)] = int(fields[1])
     found, frontier = [], [pid]
     while frontier:
         below = [p for p, parent in parents.items() if parent in frontier]
