@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -366,20 +367,28 @@ def test_a_reply_naming_no_request_id_is_dropped_quietly(local_grid, re):
     assert torch.equal((p * 2).get(), x * 2)
 
 
-@pytest.mark.parametrize("error", [5, "boom", None, [1]], ids=["int", "text", "none", "list"])
-def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
-    # A worker (one the client chose; it may be broken or hostile) answered "ok": false with
-    # an error that is not a map: the client raised AttributeError from deep inside a wait.
+def _client_of_a_worker_answering(reply_to: Callable[[str], dict]) -> Client:
+    """A client of worker w0 on a local bus, where w0 answers every request with
+    `reply_to(its id)`, as a broken or hostile worker may."""
     bus = LocalBus()
     client = Client(bus.endpoint("client"), ["w0"])
     worker = bus.endpoint("w0")
 
     def answer(sender: str, payload: bytes) -> None:
         msg = wire.decode(payload)
-        reply = {"kind": "reply", "re": msg["id"], "ok": False, "error": error}
-        worker.publish(client_topic(sender, msg["session"]), wire.encode(reply))
+        worker.publish(client_topic(sender, msg["session"]), wire.encode(reply_to(msg["id"])))
 
     worker.subscribe(worker_topic("w0"), answer)
+    return client
+
+
+@pytest.mark.parametrize("error", [5, "boom", None, [1]], ids=["int", "text", "none", "list"])
+def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
+    # A worker (one the client chose; it may be broken or hostile) answered "ok": false with
+    # an error that is not a map: the client raised AttributeError from deep inside a wait.
+    client = _client_of_a_worker_answering(
+        lambda rid: {"kind": "reply", "re": rid, "ok": False, "error": error}
+    )
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
         client.request("w0", {"kind": "ping"})
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
@@ -393,19 +402,15 @@ def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
 def test_an_error_reply_whose_fields_are_not_plain_raises_a_remote_error(field):
     # A list as an error's code, or a tensor as "ok", raised TypeError or RuntimeError
     # (the truth value of a tensor) in the client, on the transport's thread or in a wait.
-    bus = LocalBus()
-    client = Client(bus.endpoint("client"), ["w0"])
-    worker = bus.endpoint("w0")
     odd = torch.ones(2) if field == "ok" else [1]
 
-    def answer(sender: str, payload: bytes) -> None:
-        msg = wire.decode(payload)
+    def reply_to(rid: str) -> dict:
         error = {"message": "no", "refused": True, "code": "x"}
-        reply = {"kind": "reply", "re": msg["id"], "ok": False, "error": error}
+        reply = {"kind": "reply", "re": rid, "ok": False, "error": error}
         (reply if field == "ok" else error)[field] = odd
-        worker.publish(client_topic(sender, msg["session"]), wire.encode(reply))
+        return reply
 
-    worker.subscribe(worker_topic("w0"), answer)
+    client = _client_of_a_worker_answering(reply_to)
     client.frees["w0"] = [1, 2]
     client._send("w0", {"kind": "free"}, awaited=False)  # (its reply goes through the same)
     with pytest.raises(gg.RemoteError):
