@@ -66,6 +66,7 @@ import os
 import resource
 import select
 import signal
+import struct
 import threading
 import time
 from functools import cache
@@ -89,6 +90,8 @@ KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is k
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
 SHRINK_PAST = 1 << 20  # a shared file is emptied after a message larger than this
 FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
+READ_SIZE = 1 << 16  # what one read of the pipe asks for: a whole small frame, or more
+_LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
 
 
 class ExecutorLost(Exception):
@@ -168,15 +171,13 @@ class Executor:
         if self.lost is not None:
             raise ExecutorLost(self.lost)
         kill_at = worker.limits.deadline(time.monotonic()) + KILL_GRACE
-        seconds = worker.limits.max_request_seconds
-        over_time = f"it ran past the time limit of {seconds or 0:g} s and was killed"
-        killed = _WATCHDOG.watch(self.process, kill_at)  # whatever read or write it blocks in
+        watch = _WATCHDOG.watch(self.process, kill_at)  # whatever read or write it blocks in
         try:
             self.channel.send(["request", held], payload)
             while True:  # (the limit holds even while frames keep coming)
                 left = kill_at - time.monotonic()
                 if left <= 0 or not self.channel.readable(left):
-                    self._end(over_time)
+                    self._end(_over_time(worker.limits))
                 frame, data = self.channel.receive(self.max_data)
                 # Every frame is checked: a kernel bug may have handed the client's program
                 # the executor, and then it sends whatever it likes.
@@ -197,7 +198,7 @@ class Executor:
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
         except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
-            self._end(over_time if killed.is_set() else self._cause())
+            self._end(_over_time(worker.limits) if watch.killed else self._cause())
         finally:
             _WATCHDOG.forget(self.process)
 
@@ -246,6 +247,15 @@ class Executor:
             places.release()
 
 
+class _Watch:
+    """One request's watch: when its executor is to be killed, and whether it was."""
+
+    __slots__ = ("at", "killed")
+
+    def __init__(self, at: float) -> None:
+        self.at, self.killed = at, False
+
+
 class _Watchdog:
     """Kills an executor still serving a request at its kill time. The request loop checks
     the time between frames, but a frame cut short blocks the read inside it: a taken-over
@@ -254,48 +264,55 @@ class _Watchdog:
     deadline."""
 
     def __init__(self) -> None:
-        self._due: dict[Any, tuple[float, threading.Event]] = {}  # process -> (when, killed)
-        self._cv = threading.Condition()
+        self._due: dict[Any, _Watch] = {}  # process -> its request's watch (under _lock)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._wakes_at = math.inf  # when the thread looks next (under _cv)
+        self._wakes_at = math.inf  # when the thread looks next (under _lock)
 
-    def watch(self, process: Any, at: float) -> threading.Event:
-        """Kill `process` at monotonic time `at` unless forgotten first; the event is set
-        if it was killed."""
-        killed = threading.Event()
+    def watch(self, process: Any, at: float) -> _Watch:
+        """Kill `process` at monotonic time `at` unless forgotten first; the watch says
+        whether it was killed."""
+        watch = _Watch(at)
         if math.isinf(at):
-            return killed
-        with self._cv:
-            self._due[process] = (at, killed)
+            return watch
+        with self._lock:
+            self._due[process] = watch
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="executor-watchdog")
                 self._thread.daemon = True
                 self._thread.start()
             elif at < self._wakes_at:  # (else it looks in time: no wake-up per request)
                 self._cv.notify()
-        return killed
+        return watch
 
     def forget(self, process: Any) -> None:
-        with self._cv:
+        with self._lock:
             self._due.pop(process, None)
 
     def _run(self) -> None:
-        with self._cv:
+        with self._lock:
             while True:
                 now = time.monotonic()
-                for process, (at, killed) in list(self._due.items()):
-                    if at <= now:
+                for process, watch in list(self._due.items()):
+                    if watch.at <= now:
                         del self._due[process]
-                        killed.set()
+                        watch.killed = True
                         try:
                             process.kill()
                         except Exception:  # (gone already): the watch goes on for the rest
                             log.exception("watchdog: killing an executor failed")
-                self._wakes_at = min((at for at, _ in self._due.values()), default=now + 60)
+                self._wakes_at = min((w.at for w in self._due.values()), default=now + 60)
                 self._cv.wait(max(0.0, self._wakes_at - now))
 
 
 _WATCHDOG = _Watchdog()
+
+
+def _over_time(limits: Limits) -> str:
+    """Why an executor killed at its request's kill time was lost."""
+    seconds = limits.max_request_seconds or 0
+    return f"it ran past the time limit of {seconds:g} s and was killed"
 
 
 def data_limits(limits: Limits) -> dict[str, float]:
@@ -382,36 +399,49 @@ def _shared_file(name: str) -> int:
 class _Channel:
     """One end of the pipe between the network process and an executor, with the two
     shared files: `out`, where this end writes the messages too large to ride inline, and
-    `into`, where the other end does."""
+    `into`, where the other end does.
+
+    A frame on the pipe is its length (4 bytes, big-endian) and then its msgpack. Frames are
+    written and read with one system call each where they fit (a request's or a reply's
+    always does): `Connection.send_bytes` and `recv_bytes` cost two reads, a dozen Python
+    calls and a BytesIO per frame, on the path of every request, each way. Bytes read past a
+    frame wait in `_unread` for the next one."""
 
     def __init__(self, conn: Connection, out: int, into: int) -> None:
         self.conn, self.out, self.into = conn, out, into
+        self._fd = conn.fileno()
+        self._unread = bytearray()
         # (Connection.poll makes a selector per call: this path is every request's)
         self._poller = select.poll()
-        self._poller.register(conn.fileno(), select.POLLIN)
+        self._poller.register(self._fd, select.POLLIN)
 
     def readable(self, seconds: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within `seconds`. Raises
         OSError once closed (the poll object would wait on whatever has the number now)."""
         if self.conn.closed:
             raise OSError("the executor's pipe is closed")
+        if self._unread:  # (the start of a frame at least: the rest follows)
+            return True
         return bool(self._poller.poll(math.ceil(min(seconds, 1e6) * 1000)))
 
     def send(self, frame: list, data: bytes | bytearray | None = None) -> None:
-        if data is None:
-            self.conn.send_bytes(msgpack.packb(frame))
-        elif not _in_file(data):
-            self.conn.send_bytes(msgpack.packb([*frame, bytes(data)]))
-        else:
+        if data is not None and _in_file(data):
             view, done = memoryview(data), 0
             while done < len(view):
                 done += os.pwrite(self.out, view[done:], done)
-            self.conn.send_bytes(msgpack.packb([*frame, len(data)]))
+            frame = [*frame, len(data)]
+        elif data is not None:
+            frame = [*frame, data]
+        packed = msgpack.packb(frame)
+        view = memoryview(_LENGTH.pack(len(packed)) + packed)
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def receive(self, max_data: dict[str, float]) -> tuple[list, bytearray | None]:
         """A frame and its data (None if it carries none), the data at most `max_data` of
-        its kind of frame (no limit for a kind not there)."""
-        frame = msgpack.unpackb(self.conn.recv_bytes(FRAME_MAX))
+        its kind of frame (no limit for a kind not there). Raises EOFError at the end of
+        the pipe, ValueError on a frame that is not one."""
+        frame = msgpack.unpackb(self._frame())
         if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
             raise ValueError("malformed frame")
         if frame[0] not in ("request", "reply", "transfer", "recv-ok"):
@@ -432,6 +462,26 @@ class _Channel:
         if last > SHRINK_PAST:
             os.ftruncate(self.into, 0)  # its pages go back now, not at the next message
         return frame, data
+
+    def _frame(self) -> bytes:
+        """The next frame's msgpack, read whole."""
+        self._fill(_LENGTH.size)
+        (size,) = _LENGTH.unpack_from(self._unread)
+        if not 0 < size <= FRAME_MAX:
+            raise ValueError(f"a frame of {size} bytes")
+        end = _LENGTH.size + size
+        self._fill(end)
+        frame = bytes(self._unread[_LENGTH.size : end])
+        del self._unread[:end]
+        return frame
+
+    def _fill(self, n: int) -> None:
+        """Read until `_unread` holds `n` bytes."""
+        while len(self._unread) < n:
+            chunk = os.read(self._fd, max(n - len(self._unread), READ_SIZE))
+            if not chunk:
+                raise EOFError("the other end closed the pipe")
+            self._unread += chunk
 
     def close(self) -> None:
         """Close the pipe and both files, once: closed twice, their descriptor numbers could

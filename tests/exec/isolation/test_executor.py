@@ -278,26 +278,17 @@ def test_waiting_for_a_frame_on_a_closed_channel_fails_at_once():
     assert time.monotonic() - start < 1
 
 
-class _Flooding:
-    """The pipe from a taken-over executor that always has another valid transfer of its own
-    run waiting (for 30 s, then it ends)."""
+def _flooding(frame: bytes):
+    """The frames from a taken-over executor that always has another valid transfer of its
+    own run waiting (for 30 s, then its pipe ends)."""
+    until = time.monotonic() + 30
 
-    def __init__(self, frame: bytes) -> None:
-        self.frame, self.until = frame, time.monotonic() + 30
-
-    def send_bytes(self, data: bytes) -> None:
-        pass
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return True
-
-    def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        if time.monotonic() > self.until:
+    def next_frame() -> bytes:
+        if time.monotonic() > until:
             raise EOFError
-        return self.frame
+        return frame
 
-    def close(self) -> None:
-        pass
+    return next_frame
 
 
 def test_an_executor_sending_frames_without_pause_is_still_stopped_at_the_time_limit():
@@ -306,7 +297,7 @@ def test_an_executor_sending_frames_without_pause_is_still_stopped_at_the_time_l
     # kept sending (a review sent 191,779 in 20 s under a 1 s limit).
     with gg.local_grid(1, limits=Limits(max_request_seconds=1)) as grid:
         handle, _ = _taken_over()
-        handle.channel.conn = _Flooding(msgpack.packb(["transfer", "w1", "w1", 1, 0, _forged()]))
+        handle.channel._frame = _flooding(msgpack.packb(["transfer", "w1", "w1", 1, 0, _forged()]))
         handle.channel.readable = lambda seconds: True  # (a frame always waits)
         start = time.monotonic()
         with pytest.raises(executor.ExecutorLost, match="time limit of 1 s"):
