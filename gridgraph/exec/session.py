@@ -129,6 +129,7 @@ log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
+MAX_NAME = 256  # characters of a worker name or identity a run names (IPFS identities: ~100)
 CALL_STEP_BYTES = 1024  # a prepared call step (CompiledCall), about; see held_bytes
 FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by layouts
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
@@ -308,10 +309,12 @@ class Session:
             self._sent_bytes -= len(dropped)
 
     def name_workers(self, identities: Any) -> None:
-        """Identities a run of this session named for its workers (checked to be strings)."""
+        """Identities a run of this session named for its workers. What a run may not name
+        (`is_name`) is not kept: the run is refused for it (`_peers`)."""
         for identity in identities:
-            self.named[identity] = None
-            self.named.move_to_end(identity)
+            if is_name(identity):
+                self.named[identity] = None
+                self.named.move_to_end(identity)
         while len(self.named) > NAMED_KEPT:
             self.named.popitem(last=False)
 
@@ -546,13 +549,22 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     return Run(host, session, run, slots, params, peers, deadline).execute(program, checked)
 
 
+def is_name(value: Any) -> bool:
+    """Whether a run may name `value` as a worker or as a worker's identity: a string of 1
+    to MAX_NAME characters. Each is kept a while (with the session, with the transfers kept
+    for resending, on IPFS in the transport's key caches), counted in no one's memory."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME
+
+
 def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
-    """The run's `peers`, checked: an identity (a string) for each worker it names."""
+    """The run's `peers`, checked: an identity for each worker it names."""
     if not isinstance(peers, dict) or not all(
-        isinstance(name, str) and isinstance(identity, str) and identity
-        for name, identity in peers.items()
+        is_name(name) and is_name(identity) for name, identity in peers.items()
     ):
-        raise RequestError("'peers' must map worker names to their identities")
+        raise RequestError(
+            f"'peers' must map worker names to their identities (each of at most {MAX_NAME} "
+            "characters)"
+        )
     unnamed = sorted(program.workers - peers.keys())
     if unnamed:
         raise RequestError(

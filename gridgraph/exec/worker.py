@@ -52,9 +52,10 @@ Policy:
       are themselves limited to that rate: past it, its requests are dropped unanswered
       and unrecorded (a resend later is judged afresh), so a flood of tiny requests
       cannot fill the one sender thread's queue ahead of other clients' replies.
-    - A malformed request gets an error reply when it has an id and a session id. A reply
-      goes to the sender's own topic for that session (`client_topic`), which no
-      request names.
+    - A malformed request gets an error reply when it has an id and a session id, and its
+      id is at most MAX_REQUEST_ID characters (a reply names its request: a longer id is
+      dropped rather than echoed, and kept nowhere). A reply goes to the sender's own
+      topic for that session (`client_topic`), which no request names.
     - Transfers between workers go only between the identities the client named: a run
       message names the identity of each worker its program sends to or receives from
       (`peers`; a run without one is refused). A send is published to that identity only (on
@@ -123,6 +124,9 @@ REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"}
 # The longest session id a client may choose (a client's are 12 characters): each is kept
 # as part of its session's key, in `sessions` and `ended`.
 MAX_SESSION_ID = 64
+# The longest request id (a client's are a few hex digits): each is kept in its session's
+# records, 100,000 of them, counted at RECORD_BYTES each.
+MAX_REQUEST_ID = 64
 MAX_CLIENT_KEY = 1024  # identity (an IPFS one is ~110 characters) / session id
 # Ended sessions remembered (see `ended` above): per peer, and peers, the latest ones.
 ENDED_KEPT = 64
@@ -213,6 +217,10 @@ class Worker:
         rid, session_id = msg.get("id"), msg.get("session")
         if not isinstance(rid, str) or not isinstance(session_id, str):
             log.warning("%s: dropped a %r request without id or session", self.name, msg["kind"])
+            return
+        if len(rid) > MAX_REQUEST_ID:  # (a reply names its request: it would echo the id)
+            log.warning("%s: dropped a %r request whose id has %d characters, over %d",
+                        self.name, msg["kind"], len(rid), MAX_REQUEST_ID)  # fmt: skip
             return
         # Replies go only to the sender's own topic: no request names where they go.
         reply_to = client_topic(sender, session_id)
@@ -530,7 +538,7 @@ class Worker:
             return
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
-            session.name_workers(p for p in peers.values() if isinstance(p, str))
+            session.name_workers(peers.values())
         if not self.isolate or session.executor is None and kind in ("ping", "free", "stats"):
             # (before its executor starts, a session holds nothing: these need none)
             reply = answer(self, session, msg, len(payload))

@@ -29,7 +29,14 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import ENDED_KEPT, MAX_SESSION_ID, RESENDS, worker_topic
+from gridgraph.exec.session import MAX_NAME
+from gridgraph.exec.worker import (
+    ENDED_KEPT,
+    MAX_REQUEST_ID,
+    MAX_SESSION_ID,
+    RESENDS,
+    worker_topic,
+)
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30
@@ -265,6 +272,43 @@ def test_a_session_id_past_its_length_limit_is_refused_and_opens_nothing():
         assert not grid.local_workers[0].sessions
         fits = Peer(grid, "long", session="s" * MAX_SESSION_ID)
         assert fits.request("w0", {"kind": "ping"})["ok"]
+
+
+def test_a_request_id_past_its_length_limit_is_dropped_and_kept_nowhere():
+    # A request's id is kept in its session's records (100,000 of them), each counted as
+    # RECORD_BYTES whatever its length: a peer's pings with ids of 256 KiB held 25 MiB per
+    # 100 pings on the worker, counted as 20 KB of its memory.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid, "long")
+        for i in range(100):
+            peer.send("w0", {"kind": "ping"}, rid=f"{i}-" + "r" * (256 << 10))
+        assert peer.no_reply_within(0.5)  # dropped unanswered: a reply would echo the id
+        assert peer.request("w0", {"kind": "ping"}, rid="r" * MAX_REQUEST_ID)["ok"]
+        records = grid.local_workers[0].sessions["long/s"].records
+        assert list(records) == ["r" * MAX_REQUEST_ID]
+
+
+def test_names_past_their_length_limit_refuse_the_run_and_are_kept_nowhere():
+    # The identities a run names for its workers are kept (`Session.named`, 256 of them),
+    # uncounted: runs naming identities of 256 KiB held 64 MiB per session. So are the
+    # workers it sends to, with each transfer kept for resending; on IPFS both were also
+    # kept by the transport's caches once a transfer was sealed and published.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid, "long")
+        steps = [["send", [0], "w1"], ["return", 0]]
+        assert peer.request("w0", {"kind": "put", "values": [[5, torch.ones(2)]]})["ok"]
+        long = "i" * (256 << 10)
+        reply = peer.request("w0", run(steps, [5], peers={"w1": long}))
+        assert not reply["ok"] and "identit" in reply["error"]["message"], reply
+        to_long = [["send", [0], long], ["return", 0]]  # a worker named so: kept likewise
+        reply = peer.request("w0", run(to_long, [5], plan=3, peers={long: "w1"}))
+        assert not reply["ok"] and "identit" in reply["error"]["message"], reply
+        named = grid.local_workers[0].sessions["long/s"].named
+        assert long not in named
+        fits = "i" * MAX_NAME
+        reply = peer.request("w0", run(steps, [5], plan=2, peers={"w1": fits}))
+        assert reply["ok"], reply
+        assert fits in named and max(map(len, named)) == MAX_NAME
 
 
 def test_transfers_open_sessions_on_their_senders_share_and_the_client_adopts_them():

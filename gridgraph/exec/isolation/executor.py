@@ -79,7 +79,7 @@ import msgpack
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
 from gridgraph.exec.limits import GiB, LimitExceeded, Limits
-from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
+from gridgraph.exec.session import Session, UpstreamFailed, answer, is_name, transfer_key
 
 if TYPE_CHECKING:
     from gridgraph.exec.worker import Worker
@@ -186,7 +186,7 @@ class Executor:
                     return data
                 if frame[0] == "transfer" and len(frame) == 5 and data is not None:
                     _, dst, peer, run, value = frame
-                    if not (_count(run) and _count(value)):
+                    if not (_count(run) and _count(value) and is_name(dst) and is_name(peer)):
                         self._end(f"it sent a malformed frame {frame!r:.60}")
                     if not _own_transfer(data, session.key, worker.name, run, value):
                         self._end("it sent a transfer of another client's run or worker")
@@ -371,15 +371,15 @@ def _own_transfer(data: bytearray, client: str, src: str, run: int, value: int) 
 
 
 def _recv_frame(frame: list) -> bool:
-    """Whether a `recv` frame names a run, a value id and two names, and waits, and asks
+    """Whether a `recv` frame names a run, a value id and two names (`is_name`), and waits, and asks
     again after, finite, non-negative numbers of seconds (a NaN made its wait spin on the
     lock for ever)."""
     _, run, value, src, peer, seconds, ask_after = frame
     return (
         _count(run)
         and _count(value)
-        and isinstance(src, str)
-        and isinstance(peer, str)
+        and is_name(src)
+        and is_name(peer)
         and all(type(t) in (int, float) and 0 <= t < math.inf for t in (seconds, ask_after))
     )
 

@@ -23,7 +23,7 @@ import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import Limits
-from gridgraph.exec.session import Session
+from gridgraph.exec.session import MAX_NAME, Session
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,9 @@ def _forged(**fields: object) -> bytes:
         ["recv", 1, 1, "w1", "w1", 1.0],  # the frame of before asks were learned
         ["recv", 1, 1, "w1", 5, 1.0, 0.1],
         ["transfer", "w1", "w1", -1, 0, b"x"],
+        ["transfer", "w" * (MAX_NAME + 1), "w1", 1, 0, _forged()],  # each kept, uncounted
+        ["transfer", "w1", "i" * (MAX_NAME + 1), 1, 0, _forged()],
+        ["recv", 1, 1, "w1", "i" * (MAX_NAME + 1), 1.0, 0.1],
         ["transfer", "w1", "w1", 1, 0],  # no data
         ["transfer", "w1", "w1", 1, 0, 1 << 20],  # shared data announced, none written
         ["transfer", "w1", "w1", 1, 0, 1 << 30],  # over a message: read, kept, 1 GiB each
@@ -183,6 +186,9 @@ def _forged(**fields: object) -> bytes:
         "short-frame",
         "unnamed-peer",
         "negative-run",
+        "long-worker-name",
+        "long-identity",
+        "recv-long-identity",
         "no-data",
         "no-shared-data",
         "over-a-message",
