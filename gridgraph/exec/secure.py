@@ -59,6 +59,7 @@ TAG_BYTES = 16
 REPLAY_WINDOW = 1 << 16  # counters this far below a sender's highest are refused as replays
 SENDERS_KEPT = 4096  # replay windows (and derived keys) kept, least recently used dropped
 IDENTITY_SEPARATOR = "~"
+CACHED_NAME_MAX = 512  # characters of a topic name whose hash is kept (an IPFS client's: ~180)
 
 
 class Rejected(ValueError):
@@ -98,12 +99,23 @@ def peer_of(identity: str) -> str:
     return identity.partition(IDENTITY_SEPARATOR)[0]
 
 
-@functools.lru_cache(maxsize=4096)  # every publish names one: hash each name once
 def blind_topic(topic: str) -> str:
     """The PubSub topic that carries `topic`: a hash, so the name (a client's identity and
-    session, say) is not in the clear. Both ends compute it from the name they know."""
+    session, say) is not in the clear. Both ends compute it from the name they know.
+
+    Every publish names one, so names of up to CACHED_NAME_MAX characters are hashed once
+    and kept. Longer ones are hashed each time: only a hostile client makes a worker use
+    one (a send step to a worker it names so, a session id the worker refuses), and kept,
+    runs sending to workers named by 256 KiB strings held up to 1 GiB here."""
+    return _hash_topic(topic) if len(topic) > CACHED_NAME_MAX else _cached_topic(topic)
+
+
+def _hash_topic(topic: str) -> str:
     digest = hashlib.sha256(b"gridgraph topic\x00" + topic.encode()).digest()
     return "gridgraph.t." + base64.b32encode(digest[:20]).decode("ascii").lower()
+
+
+_cached_topic = functools.lru_cache(maxsize=4096)(_hash_topic)
 
 
 class ReplayWindow:

@@ -31,7 +31,7 @@ from gridgraph.exec.ipfs.client import grid_over
 from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
-from gridgraph.exec.ipfs.transport import GridTransport, sealed_inline
+from gridgraph.exec.ipfs.transport import GridTransport, sealed_blocks, sealed_inline
 from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
 
 pytestmark = pytest.mark.ipfs
@@ -260,6 +260,7 @@ def _tamper(sealed: bytes, how: str) -> bytes:
         ("replayed nonce", "a replay"),
         ("garbage", "not a sealed message"),
         ("a body of no known kind", "sealed body of unknown kind"),
+        ("a block list with a long id", "without a 16-byte id"),  # ids are kept, 1,024
     ],
 )
 def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, attacker, how,
@@ -274,6 +275,8 @@ def test_bad_crypto_input_is_dropped_with_a_log_line(ipfs_grid, ipfs_workers, at
         receiver = secure.make_identity(secure.peer_of(receiver), secure.Channel("x").public)
     if how == "a body of no known kind":  # e.g. the msgpack map sealed before (0x81...)
         body = msgpack.packb({"d": body[1:]})
+    if how == "a block list with a long id":
+        body = sealed_blocks([("bafkreiexample", 10)], 10, os.urandom(32), b"i" * (64 << 10))
     sealed = channel.seal(receiver, topic, body)
     if how in ("truncated ciphertext", "tampered tag"):
         sealed = _tamper(sealed, how)

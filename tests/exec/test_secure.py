@@ -117,6 +117,19 @@ def test_blinded_topics_hide_the_name():
     assert "alice" not in blind and "0123456789ab" not in blind
 
 
+def test_only_short_topic_names_are_kept_by_the_hash_cache():
+    # A worker names topics after what clients send it: the worker names of a program's
+    # send steps, the session id of a request it refuses. Cached whatever their length,
+    # runs sending to workers named by 256 KiB strings held up to 1 GiB in this cache.
+    long = "gridgraph.worker." + "w" * (256 << 10)
+    before = secure._cached_topic.cache_info().currsize
+    assert secure.blind_topic(long) == secure.blind_topic(long)
+    assert secure._cached_topic.cache_info().currsize == before
+    short = "gridgraph.worker." + "w" * (secure.CACHED_NAME_MAX - 17)
+    secure.blind_topic(short)
+    assert secure._cached_topic.cache_info().currsize == before + 1
+
+
 def test_announcements_carry_the_key_in_the_clear(pair):
     alice, _ = pair
     message = alice.announcement(b"heartbeat")

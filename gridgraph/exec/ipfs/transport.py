@@ -98,6 +98,7 @@ MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
 ACK_COPIES = 2  # PubSub drops ~1% of messages: a lost ack would leave the sender's blocks
 DELIVERED_KEPT = 1024  # ids of large payloads received, to recognise resent copies
+BLOB_ID_BYTES = 16  # a large payload's id: random, made by its sender
 SEALED_INLINE = b"\x00"  # + the payload: what GridTransport seals, for an inline payload
 SEALED_BLOCKS = b"\x01"  # + msgpack {"b": [[cid, size], ...], "t": total, "k": key, "i": id}
 WORKER_PREFIX = "gridgraph.worker."  # + worker name
@@ -512,7 +513,7 @@ class GridTransport(IpfsTransport):
         key = secure.new_blob_key()
         pieces = secure.seal_pieces(key, payload, BLOCK_SIZE)
         blocks = self._put_blocks(pieces, f"send to {topic}")
-        stored = _Stored(os.urandom(16), key, blocks, sum(size for _, size in blocks))
+        stored = _Stored(os.urandom(BLOB_ID_BYTES), key, blocks, sum(size for _, size in blocks))
         evicted = []
         with self._stored_lock:
             self._stored[(digest, receiver)] = stored
@@ -547,8 +548,9 @@ class GridTransport(IpfsTransport):
         key, blob = envelope.get("k"), envelope.get("i")
         if not isinstance(key, bytes) or len(key) != secure.KEY_BYTES:
             raise MalformedEnvelope("block list without its key")
-        if not isinstance(blob, bytes):
-            raise MalformedEnvelope("block list without its id")
+        if not isinstance(blob, bytes) or len(blob) != BLOB_ID_BYTES:
+            # (each is kept, DELIVERED_KEPT of them: ids of 1 MiB would hold 1 GiB)
+            raise MalformedEnvelope(f"block list without a {BLOB_ID_BYTES}-byte id")
         return sender, envelope
 
     def _join(self, envelope: dict, pieces: list[bytes]) -> bytearray:
