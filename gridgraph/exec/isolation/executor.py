@@ -90,7 +90,10 @@ KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is k
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
 SHRINK_PAST = 1 << 20  # a shared file is emptied after a message larger than this
 FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
-READ_SIZE = 1 << 16  # what one read of the pipe asks for: a whole small frame, or more
+# What one read of the pipe asks for: a whole frame with inline data (its other fields are
+# two names of at most session.MAX_NAME characters and a few numbers), and under the size
+# past which malloc maps (and unmaps) each buffer.
+READ_SIZE = INLINE_MAX + 1024
 _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
 
 
@@ -401,11 +404,13 @@ class _Channel:
     shared files: `out`, where this end writes the messages too large to ride inline, and
     `into`, where the other end does.
 
-    A frame on the pipe is its length (4 bytes, big-endian) and then its msgpack. Frames are
-    written and read with one system call each where they fit (a request's or a reply's
-    always does): `Connection.send_bytes` and `recv_bytes` cost two reads, a dozen Python
-    calls and a BytesIO per frame, on the path of every request, each way. Bytes read past a
-    frame wait in `_unread` for the next one."""
+    A frame on the pipe is its length (4 bytes, big-endian) and then its msgpack. A frame is
+    written with one system call and read with one where the pipe has it whole (a frame
+    with inline data fits READ_SIZE): `Connection.send_bytes` and `recv_bytes` cost two
+    reads, a dozen Python calls and a BytesIO per frame, on the path of every request, each
+    way. Bytes read past a frame wait in `_unread` for the next one. Once closed, the
+    channel's descriptors are -1: a use fails (EBADF) rather than reach whatever has the
+    number by then."""
 
     def __init__(self, conn: Connection, out: int, into: int) -> None:
         self.conn, self.out, self.into = conn, out, into
@@ -418,13 +423,14 @@ class _Channel:
     def readable(self, seconds: float) -> bool:
         """Whether a frame (or the end of the pipe) can be read within `seconds`. Raises
         OSError once closed (the poll object would wait on whatever has the number now)."""
-        if self.conn.closed:
+        if self._fd < 0:
             raise OSError("the executor's pipe is closed")
-        if self._unread:  # (the start of a frame at least: the rest follows)
-            return True
+        if self._unread:  # (a frame's start at least; a hostile executor may never send
+            return True  # the rest: the watchdog bounds that read)
         return bool(self._poller.poll(math.ceil(min(seconds, 1e6) * 1000)))
 
     def send(self, frame: list, data: bytes | bytearray | None = None) -> None:
+        """Write `frame`, with `data` inline or, if larger than INLINE_MAX, in `out`."""
         if data is not None and _in_file(data):
             view, done = memoryview(data), 0
             while done < len(view):
@@ -490,7 +496,7 @@ class _Channel:
         for fd in (self.out, self.into):
             if fd >= 0:
                 os.close(fd)
-        self.out = self.into = -1
+        self.out = self.into = self._fd = -1
 
 
 # --- the executor process ----------------------------------------------------------------------

@@ -284,6 +284,85 @@ def test_waiting_for_a_frame_on_a_closed_channel_fails_at_once():
     assert time.monotonic() - start < 1
 
 
+def _channels() -> tuple[executor._Channel, executor._Channel]:
+    """Both ends of a channel, as the network process and an executor hold them."""
+    network, taken = multiprocessing.Pipe(duplex=True)
+    down, up = os.memfd_create("down"), os.memfd_create("up")
+    return (
+        executor._Channel(network, out=down, into=up),
+        executor._Channel(taken, out=os.dup(up), into=os.dup(down)),
+    )
+
+
+def test_frames_arrive_whole_and_in_order_however_the_pipe_cuts_them():
+    # A frame is read with one read where the pipe has it whole; frames written together
+    # are read together and kept for the next receive, and one written a byte at a time,
+    # or larger than a read, is put together.
+    near, far = _channels()
+    frames = [["request", 1, b"a" * 10], ["recv-error", "timeout", "late"],
+              ["request", 2, b"b" * executor.INLINE_MAX]]  # fmt: skip
+    packed = [msgpack.packb(f) for f in frames]
+    os.write(far._fd, b"".join(len(p).to_bytes(4, "big") + p for p in packed[:2]))
+    slow = threading.Thread(
+        target=lambda: (
+            [os.write(far._fd, bytes([b])) for b in len(packed[2]).to_bytes(4, "big")]
+            + [os.write(far._fd, packed[2][i : i + 1000]) for i in range(0, len(packed[2]), 1000)]
+        )
+    )
+    slow.start()
+    assert near.receive({}) == (["request", 1], bytearray(b"a" * 10))
+    assert near.readable(0)  # (the second frame was read with the first)
+    assert near.receive({}) == (["recv-error", "timeout", "late"], None)
+    assert near.receive({}) == (["request", 2], bytearray(b"b" * executor.INLINE_MAX))
+    slow.join()
+    far.send(["reply", 3], b"c" * (executor.INLINE_MAX + 1))  # through the shared file
+    assert near.receive({}) == (["reply", 3], bytearray(b"c" * (executor.INLINE_MAX + 1)))
+
+
+@pytest.mark.parametrize(
+    "sent, error",
+    [
+        ((5).to_bytes(4, "big") + b"\x93", EOFError),  # the pipe ends within a frame
+        ((0).to_bytes(4, "big"), ValueError),
+        ((executor.FRAME_MAX + 1).to_bytes(4, "big"), ValueError),  # read no further
+        ((2**32 - 1).to_bytes(4, "big"), ValueError),
+        ((3).to_bytes(4, "big") + b"\xc1\xc1\xc1", msgpack.UnpackException),
+    ],
+    ids=["cut-short", "empty", "over-frame-max", "largest-length", "not-msgpack"],
+)
+def test_a_frame_that_is_not_one_is_refused(sent, error):
+    near, far = _channels()
+    os.write(far._fd, sent)
+    if error is EOFError:
+        far.close()
+    with pytest.raises(error):
+        near.receive({})
+
+
+def test_a_closed_channel_reads_and_writes_nothing_that_has_its_numbers_now():
+    # Closed under a serving thread (its session ended), the channel kept its descriptor
+    # numbers: the thread's next frame went into whatever pipe had the number by then
+    # (another session's executor's), and a read took that pipe's frames.
+    near, far = _channels()
+    number = near._fd
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    near.close()
+    os.dup2(writer, number)  # another pipe has the number now
+    with pytest.raises(OSError):
+        near.send(["recv-error", "timeout", "late"])
+    with pytest.raises(BlockingIOError):
+        os.read(reader, 100)  # nothing went into it
+    os.dup2(reader, number)
+    os.write(writer, b"another session's frame")
+    with pytest.raises(OSError):
+        near.receive({})
+    assert os.read(reader, 100) == b"another session's frame"  # still there
+    for fd in (number, reader, writer):
+        os.close(fd)
+    far.close()
+
+
 def _flooding(frame: bytes):
     """The frames from a taken-over executor that always has another valid transfer of its
     own run waiting (for 30 s, then its pipe ends)."""
