@@ -105,8 +105,7 @@ def blind_topic(topic: str) -> str:
 
     Every publish names one, so names of up to CACHED_NAME_MAX characters are hashed once
     and kept. Longer ones are hashed each time: only a hostile client makes a worker use
-    one (a send step to a worker it names so, a session id the worker refuses), and kept,
-    runs sending to workers named by 256 KiB strings held up to 1 GiB here."""
+    one (a session id past its limit, whose refusal goes to its topic), and none is kept."""
     return _hash_topic(topic) if len(topic) > CACHED_NAME_MAX else _cached_topic(topic)
 
 

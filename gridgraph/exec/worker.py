@@ -98,6 +98,7 @@ from gridgraph.exec.session import (
     answer,
     encode_reply,
     error_body,
+    is_name,
     one_tensor_per_value,
     resend_wait,
     transfer_key,
@@ -216,10 +217,10 @@ class Worker:
     def _accept_request(self, sender: str, msg: dict, payload: bytes) -> None:
         rid, session_id = msg.get("id"), msg.get("session")
         if not isinstance(rid, str) or not isinstance(session_id, str):
-            log.warning("%s: dropped a %r request without id or session", self.name, msg["kind"])
+            log.warning("%s: dropped a %.40r request without id or session", self.name, msg["kind"])
             return
         if len(rid) > MAX_REQUEST_ID:  # (a reply names its request: it would echo the id)
-            log.warning("%s: dropped a %r request whose id has %d characters, over %d",
+            log.warning("%s: dropped a %.40r request whose id has %d characters, over %d",
                         self.name, msg["kind"], len(rid), MAX_REQUEST_ID)  # fmt: skip
             return
         # Replies go only to the sender's own topic: no request names where they go.
@@ -279,7 +280,7 @@ class Worker:
                     return  # not recorded: a resend later is judged afresh
                 error = self._over_rate()
             elif msg["kind"] not in REQUEST_KINDS:
-                error = RequestError(f"unknown request kind {msg['kind']!r}")
+                error = RequestError(f"unknown request kind {msg['kind']!r:.60}")
             elif cap is not None and session.queued_bytes + len(payload) > cap:
                 waiting = format_size(session.queued_bytes + len(payload))
                 error = LimitExceeded(
@@ -290,7 +291,7 @@ class Worker:
                 error = None
             session.record(rid)  # a refusal is an answer too: recorded like one
             if error is not None:
-                log.warning("%s: refused a %r request from %s: %s", self.name, msg["kind"], key,
+                log.warning("%s: refused a %.40r request from %s: %s", self.name, msg["kind"], key,
                             error)  # fmt: skip
                 self._reply(session, rid, self._error_reply(rid, error), queued=True)
                 return
@@ -399,10 +400,13 @@ class Worker:
         try:
             if not isinstance(values, list) or not values:
                 raise TypeError("no value ids")
-            key = (int(msg["run"]), int(values[0]), str(msg["src"]))
-            client = str(msg["client"])
-            if len(client) > MAX_CLIENT_KEY:
+            run, first, src, client = msg["run"], values[0], msg["src"], msg["client"]
+            # (kept as the inbox's key: a src no run may name would sit there unused)
+            if type(run) is not int or type(first) is not int or not is_name(src):
+                raise TypeError("a transfer names a run, a value id and a worker")
+            if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
                 raise ValueError("a client key too long")
+            key = (run, first, src)
         except (KeyError, TypeError, ValueError):
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
             return

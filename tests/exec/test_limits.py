@@ -311,6 +311,42 @@ def test_names_past_their_length_limit_refuse_the_run_and_are_kept_nowhere():
         assert fits in named and max(map(len, named)) == MAX_NAME
 
 
+def test_a_long_request_kind_is_cut_short_in_logs_and_replies(caplog):
+    # Logged and echoed whole, one message of a 512 KiB kind wrote a line that long, before
+    # any rate check.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid, "mallory")
+        kind = "k" * (512 << 10)
+        peer.publish("w0", wire.encode({"kind": kind}))  # no id, no session: dropped
+        reply = peer.request("w0", {"kind": kind})  # an unknown kind: refused, naming it
+        assert "unknown request kind" in reply["error"]["message"]
+        assert len(reply["error"]["message"]) < 200
+        assert "dropped a 'kkk" in caplog.text
+        assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("src", "w" * (MAX_NAME + 1)), ("src", ["w1"]), ("run", float("inf")), ("run", 1.0)],
+    ids=["long-src", "src-not-a-string", "run-inf", "run-float"],
+)
+def test_a_transfer_naming_what_no_run_may_name_is_dropped(field, value, caplog):
+    # Its run, first value and source worker make its key in the inbox: a source of 256 KiB
+    # was kept there (charged once, held twice) though no run may name it to take it; an
+    # infinite run number raised past the check, with a traceback in the log each time.
+    with gg.local_grid(1) as grid:
+        client = Peer(grid, "many", session="s0")
+        assert client.request("w0", {"kind": "ping"})["ok"]
+        sender = Peer(grid, "w1")
+        transfer = {"kind": "transfer", "client": "many/s0", "run": 1, "src": "w1",
+                    "values": [5], "tensors": [torch.ones(2)], field: value}  # fmt: skip
+        sender.publish("w0", wire.encode(transfer))
+        assert sender.request("w0", {"kind": "ping"})["ok"]  # (after the transfer)
+        assert not grid.local_workers[0].sessions["many/s0"].inbox
+        assert "dropped a malformed transfer" in caplog.text
+        assert "failed to accept" not in caplog.text  # (no traceback: it was checked)
+
+
 def test_transfers_open_sessions_on_their_senders_share_and_the_client_adopts_them():
     with gg.local_grid(1, limits=Limits(sessions_per_peer=2)) as grid:
         sessions = grid.local_workers[0].sessions

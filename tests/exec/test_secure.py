@@ -118,16 +118,17 @@ def test_blinded_topics_hide_the_name():
 
 
 def test_only_short_topic_names_are_kept_by_the_hash_cache():
-    # A worker names topics after what clients send it: the worker names of a program's
-    # send steps, the session id of a request it refuses. Cached whatever their length,
-    # runs sending to workers named by 256 KiB strings held up to 1 GiB in this cache.
+    # A worker names topics after what clients send it: the workers a program sends to, the
+    # session id of a request it refuses. Cached whatever their length, runs sending to
+    # workers named by 256 KiB strings held up to 1 GiB in this cache (names in runs are
+    # bounded now too: worker.py, session.is_name).
     long = "gridgraph.worker." + "w" * (256 << 10)
-    before = secure._cached_topic.cache_info().currsize
+    before = secure._cached_topic.cache_info().misses
     assert secure.blind_topic(long) == secure.blind_topic(long)
-    assert secure._cached_topic.cache_info().currsize == before
+    assert secure._cached_topic.cache_info().misses == before  # (not even looked up)
     short = "gridgraph.worker." + "w" * (secure.CACHED_NAME_MAX - 17)
     secure.blind_topic(short)
-    assert secure._cached_topic.cache_info().currsize == before + 1
+    assert secure._cached_topic.cache_info().misses == before + 1
 
 
 def test_announcements_carry_the_key_in_the_clear(pair):

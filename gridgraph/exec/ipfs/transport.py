@@ -464,7 +464,7 @@ class GridTransport(IpfsTransport):
                 return None
             return self.directory.identity(topic[len(WORKER_PREFIX) :], wait=self.resolve_wait)
         if topic.startswith(CLIENT_PREFIX):
-            return topic[len(CLIENT_PREFIX) :].split(".")[0]
+            return topic[len(CLIENT_PREFIX) :].partition(".")[0]
         if topic.startswith(ACK_PREFIX):
             return topic[len(ACK_PREFIX) :]
         return None
