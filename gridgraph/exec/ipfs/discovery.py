@@ -12,6 +12,10 @@ last heard. Policy:
 - a name belongs to the first peer that announces it; another peer claiming it while the
   owner is alive is ignored (and logged). Once the owner has been silent for DEAD_AFTER,
   anyone may claim it, so two directories can disagree on who `w` is;
+- what a directory keeps is bounded, since any peer may announce anything: at most
+  SEEN_KEPT names (past half of them, NAMES_PER_PEER per node; past all, the silent ones
+  go), instance ids of at most MAX_INSTANCE characters, and rival or untrusted claims
+  logged once per name and node (WARNED_KEPT of them);
 - a client pins the worker it connected to (its identity and process instance): a worker
   restarted under the same name has lost its tensors, and a peer that took the name later is
   not that worker, so to that client either is lost, and nothing of the client's is sealed
@@ -56,11 +60,18 @@ HEARTBEAT = 1.0  # seconds between a worker's announcements
 DEAD_AFTER = 5.0  # a worker unheard for this long is lost (WorkerLost within 10 s)
 DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 12)
+# Any peer may announce as many names as it likes, in the clear, and every directory reads
+# them: past SEEN_KEPT // 2 names a node holds NAMES_PER_PEER live ones at most, and past
+# SEEN_KEPT the names silent for `dead_after` go (pinned ones stay).
+SEEN_KEPT = 4096
+NAMES_PER_PEER = 64
+WARNED_KEPT = 1024  # (name, node) pairs logged once about; forgotten all at once past this
 
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"bad worker name {name!r}: use 1-64 letters, digits, '_', '.', '-'")
+        raise ValueError(f"bad worker name {name!r:.60}: use 1-64 letters, digits, '_', '.', '-'")
     return name
 
 
@@ -142,8 +153,9 @@ class Directory:
         self.trust = trust  # None: an open grid, any peer may announce a worker
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
+        self._names_of: dict[str, int] = {}  # node -> how many names in _seen it announced
         self._pinned: dict[str, Seen] = {}  # name -> what this client connected to
-        self._warned: set[tuple[str, str]] = set()
+        self._warned: set[tuple[str, str]] = set()  # (name, node) claims logged about
         self._cv = threading.Condition()
 
     def on_message(self, sender: str, payload: bytes) -> None:
@@ -155,24 +167,22 @@ class Directory:
                 self.on_discover()
                 return
             name, instance = check_name(msg.get("name")), msg.get("instance")
-            if not isinstance(instance, str):
-                raise ValueError("no instance")
+            if not isinstance(instance, str) or not 0 < len(instance) <= MAX_INSTANCE:
+                raise ValueError(f"no instance of 1 to {MAX_INSTANCE} characters")
         except ValueError as e:  # WireError is a ValueError
             log.warning("ignored a discovery message from %s: %s", sender, e)
             return
         now = time.monotonic()
         with self._cv:
             if not trusts(self.trust, name, sender):
-                if (name, sender) not in self._warned:
-                    self._warned.add((name, sender))
+                if self._first_warning(name, sender):
                     log.warning("peer %s announces worker %r but is not trusted; ignored",
                                 peer_of(sender), name)  # fmt: skip
                 return
             known = self._seen.get(name)
             owner = known is not None and peer_of(known.identity) == peer_of(sender)
             if known is not None and not owner and self._fresh(known, now):
-                if (name, sender) not in self._warned:
-                    self._warned.add((name, sender))
+                if self._first_warning(name, sender):
                     log.warning(
                         "peer %s claims worker name %r, which belongs to live peer %s; ignored",
                         peer_of(sender),
@@ -180,9 +190,16 @@ class Directory:
                         peer_of(known.identity),
                     )
                 return
+            if known is None and not self._room_for(sender, now):
+                if self._first_warning(name, sender):
+                    log.warning("peer %s announces more worker names than a directory keeps "
+                                "for one node; %r ignored", peer_of(sender), name)  # fmt: skip
+                return
             if msg["kind"] == "announce":
                 lease = msg.get("lease")
                 lease = float(lease) if isinstance(lease, int | float) else DEFAULT_LEASE
+                if not owner:
+                    self._count(known.identity if known is not None else None, sender)
                 self._seen[name] = Seen(sender, instance, now, lease)
             elif msg["kind"] == "leave" and owner and known.instance == instance:
                 known.gone = True
@@ -190,6 +207,42 @@ class Directory:
 
     def _fresh(self, seen: Seen, now: float) -> bool:
         return not seen.gone and now - seen.last_seen <= self.dead_after
+
+    def _first_warning(self, name: str, sender: str) -> bool:
+        """(under _cv) Whether a claim of `name` by `sender`'s node is logged: once per name
+        and node (a node makes keys at will), for the WARNED_KEPT latest pairs."""
+        key = (name, peer_of(sender))
+        if key in self._warned:
+            return False
+        if len(self._warned) >= WARNED_KEPT:
+            self._warned.clear()
+        self._warned.add(key)
+        return True
+
+    def _room_for(self, sender: str, now: float) -> bool:
+        """(under _cv) Whether a name new here, announced by `sender`, may be kept (see
+        SEEN_KEPT): past half of it, not if its node holds NAMES_PER_PEER names already;
+        past all of it, once the silent names are gone."""
+        if len(self._seen) < SEEN_KEPT // 2:
+            return True
+        if self._names_of.get(peer_of(sender), 0) >= NAMES_PER_PEER:
+            return False
+        if len(self._seen) >= SEEN_KEPT:
+            self._seen = {
+                n: s for n, s in self._seen.items() if self._fresh(s, now) or n in self._pinned
+            }
+            self._names_of = {}
+            for seen in self._seen.values():
+                self._count(None, seen.identity)
+        return len(self._seen) < SEEN_KEPT
+
+    def _count(self, old: str | None, new: str) -> None:
+        """(under _cv) A name in _seen passes from identity `old` (None: it is new) to `new`."""
+        if old is not None:
+            self._names_of[peer_of(old)] -= 1
+            if not self._names_of[peer_of(old)]:
+                del self._names_of[peer_of(old)]
+        self._names_of[peer_of(new)] = self._names_of.get(peer_of(new), 0) + 1
 
     def live(self) -> list[str]:
         """Names of the workers heard lately, sorted."""
