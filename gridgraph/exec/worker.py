@@ -456,11 +456,12 @@ class Worker:
 
     def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
         """Send a kept transfer again, if the identity it was sent to asks for it."""
-        try:
-            key = (int(msg["run"]), int(msg["value"]), str(msg["dst"]))
-            client = str(msg["client"])
-        except (KeyError, TypeError, ValueError):
+        run, value, dst, client = (msg.get(k) for k in ("run", "value", "dst", "client"))
+        if type(run) is not int or type(value) is not int or not is_name(dst):
+            return  # (an int() of inf raised past the check, a traceback each time)
+        if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
             return
+        key = (run, value, dst)
         session = self._session(client, "", create=False)
         kept = session.sent.get(key) if session is not None else None
         # Within the asker's request rate, and RESENDS times at most: a kept transfer can be

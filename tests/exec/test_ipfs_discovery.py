@@ -8,6 +8,8 @@ announcements as its transport would hand them over (sender identity, payload).
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 
 from gridgraph.exec import secure, wire
 from gridgraph.exec.ipfs import discovery
@@ -17,6 +19,12 @@ from gridgraph.exec.ipfs.discovery import Directory
 def announce(directory: Directory, sender: str, name: str, instance: str = "0123456789ab"):
     msg = {"kind": "announce", "name": name, "instance": instance, "lease": 300}
     directory.on_message(sender, wire.encode(msg))
+
+
+def counted_right(directory: Directory) -> bool:
+    """Whether the directory's names per node are those of its names."""
+    held = Counter(secure.peer_of(s.identity) for s in directory._seen.values())
+    return directory._names_of == dict(held)
 
 
 def identity(peer: str, n: int = 0) -> str:
@@ -36,6 +44,24 @@ def test_one_node_announcing_names_without_end_holds_a_bounded_share():
     worker = identity("12D3KooWworker")
     announce(directory, worker, "w0")  # a real worker still joins the grid
     assert directory.identity("w0") == worker and directory.alive("w0")
+    assert counted_right(directory)
+
+
+def test_silent_names_make_room_and_pinned_ones_stay():
+    directory = Directory(dead_after=0.2)
+    worker = identity("12D3KooWworker")
+    announce(directory, worker, "w0")
+    directory.pin(["w0"])
+    for i in range(discovery.SEEN_KEPT):  # from many nodes: each under its share
+        announce(directory, identity(f"12D3KooWnode{i // 32}"), f"n{i}")
+    assert len(directory._seen) == discovery.SEEN_KEPT and counted_right(directory)
+    time.sleep(1.1)  # all silent now, and the last look for silent names a second ago
+    announce(directory, identity("12D3KooWlate"), "late")
+    assert set(directory._seen) == {"w0", "late"} and counted_right(directory)
+    announce(directory, identity("12D3KooWother"), "w0")  # a silent name taken over
+    assert directory.identity("w0") == worker  # (pinned: still the one connected to)
+    assert directory._seen["w0"].identity == identity("12D3KooWother")
+    assert counted_right(directory)
 
 
 def test_an_announcement_with_a_long_instance_is_ignored():
@@ -53,6 +79,11 @@ def test_claims_by_untrusted_or_rival_peers_are_remembered_boundedly(caplog):
     for n in range(3 * discovery.WARNED_KEPT):
         announce(directory, identity("12D3KooWflood", n), "w0")
     assert len(directory._warned) <= discovery.WARNED_KEPT
+    with caplog.at_level(logging.WARNING, logger="gridgraph.ipfs"):
+        for i in range(100):  # names are free too: logged once per node
+            announce(directory, identity("12D3KooWflood"), f"n{i}")
+    assert caplog.text.count("not trusted") <= 1
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gridgraph.ipfs"):
         announce(directory, identity("12D3KooWflood"), "bad name " + "x" * (512 << 10))
     assert "bad worker name" in caplog.text

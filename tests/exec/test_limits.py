@@ -311,6 +311,18 @@ def test_names_past_their_length_limit_refuse_the_run_and_are_kept_nowhere():
         assert fits in named and max(map(len, named)) == MAX_NAME
 
 
+def test_an_ask_to_resend_naming_no_run_is_ignored_quietly(caplog):
+    # int() of an infinite run number raised past the check: a traceback in the log for
+    # every such message, before any rate check.
+    with gg.local_grid(1) as grid:
+        peer = Peer(grid, "w1")
+        for run_id in [float("inf"), 1.0, "1"]:
+            ask = {"kind": "resend", "client": "x/s", "run": run_id, "value": 0, "dst": "w1"}
+            peer.publish("w0", wire.encode(ask))
+        assert peer.request("w0", {"kind": "ping"})["ok"]  # (after the asks)
+        assert "failed to accept" not in caplog.text
+
+
 def test_a_long_request_kind_is_cut_short_in_logs_and_replies(caplog):
     # Logged and echoed whole, one message of a 512 KiB kind wrote a line that long, before
     # any rate check.

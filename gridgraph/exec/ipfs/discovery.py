@@ -14,8 +14,9 @@ last heard. Policy:
   anyone may claim it, so two directories can disagree on who `w` is;
 - what a directory keeps is bounded, since any peer may announce anything: at most
   SEEN_KEPT names (past half of them, NAMES_PER_PEER per node; past all, the silent ones
-  go), instance ids of at most MAX_INSTANCE characters, and rival or untrusted claims
-  logged once per name and node (WARNED_KEPT of them);
+  go), instance ids of at most MAX_INSTANCE characters, and claims it refuses logged once
+  per name and node, or once per node for untrusted ones and those past a node's share
+  (WARNED_KEPT of them);
 - a client pins the worker it connected to (its identity and process instance): a worker
   restarted under the same name has lost its tensors, and a peer that took the name later is
   not that worker, so to that client either is lost, and nothing of the client's is sealed
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import subprocess
 import threading
@@ -62,8 +64,10 @@ DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 12)
 # Any peer may announce as many names as it likes, in the clear, and every directory reads
-# them: past SEEN_KEPT // 2 names a node holds NAMES_PER_PEER live ones at most, and past
-# SEEN_KEPT the names silent for `dead_after` go (pinned ones stay).
+# them: past SEEN_KEPT // 2 names, a node may add names while it holds fewer than
+# NAMES_PER_PEER (live or silent), and past SEEN_KEPT the names silent for `dead_after` go
+# (pinned ones stay). A directory full of live names takes no new one: on an open grid,
+# anyone can fill it (with some 33 made-up nodes); `trust` keeps others' names out.
 SEEN_KEPT = 4096
 NAMES_PER_PEER = 64
 WARNED_KEPT = 1024  # (name, node) pairs logged once about; forgotten all at once past this
@@ -154,6 +158,7 @@ class Directory:
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
         self._names_of: dict[str, int] = {}  # node -> how many names in _seen it announced
+        self._pruned_at = -math.inf  # when silent names were last dropped (_room_for)
         self._pinned: dict[str, Seen] = {}  # name -> what this client connected to
         self._warned: set[tuple[str, str]] = set()  # (name, node) claims logged about
         self._cv = threading.Condition()
@@ -175,7 +180,7 @@ class Directory:
         now = time.monotonic()
         with self._cv:
             if not trusts(self.trust, name, sender):
-                if self._first_warning(name, sender):
+                if self._first_warning(None, sender):  # (names are free: once per node)
                     log.warning("peer %s announces worker %r but is not trusted; ignored",
                                 peer_of(sender), name)  # fmt: skip
                 return
@@ -190,8 +195,8 @@ class Directory:
                         peer_of(known.identity),
                     )
                 return
-            if known is None and not self._room_for(sender, now):
-                if self._first_warning(name, sender):
+            if known is None and msg["kind"] == "announce" and not self._room_for(sender, now):
+                if self._first_warning(None, sender):
                     log.warning("peer %s announces more worker names than a directory keeps "
                                 "for one node; %r ignored", peer_of(sender), name)  # fmt: skip
                 return
@@ -208,9 +213,10 @@ class Directory:
     def _fresh(self, seen: Seen, now: float) -> bool:
         return not seen.gone and now - seen.last_seen <= self.dead_after
 
-    def _first_warning(self, name: str, sender: str) -> bool:
-        """(under _cv) Whether a claim of `name` by `sender`'s node is logged: once per name
-        and node (a node makes keys at will), for the WARNED_KEPT latest pairs."""
+    def _first_warning(self, name: str | None, sender: str) -> bool:
+        """(under _cv) Whether a claim of `name` (None: of any name) by `sender`'s node is
+        logged: once per name and node (a node makes keys at will), for the WARNED_KEPT
+        latest pairs."""
         key = (name, peer_of(sender))
         if key in self._warned:
             return False
@@ -221,13 +227,15 @@ class Directory:
 
     def _room_for(self, sender: str, now: float) -> bool:
         """(under _cv) Whether a name new here, announced by `sender`, may be kept (see
-        SEEN_KEPT): past half of it, not if its node holds NAMES_PER_PEER names already;
-        past all of it, once the silent names are gone."""
+        SEEN_KEPT): past half of it, not if its node holds NAMES_PER_PEER names already
+        (silent ones too, until they go); past all of it, once the silent names are gone,
+        looked for once a second at most (a full directory costs a flood nothing more)."""
         if len(self._seen) < SEEN_KEPT // 2:
             return True
         if self._names_of.get(peer_of(sender), 0) >= NAMES_PER_PEER:
             return False
-        if len(self._seen) >= SEEN_KEPT:
+        if len(self._seen) >= SEEN_KEPT and now - self._pruned_at >= 1.0:
+            self._pruned_at = now
             self._seen = {
                 n: s for n, s in self._seen.items() if self._fresh(s, now) or n in self._pinned
             }
