@@ -397,19 +397,12 @@ class Worker:
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
         values = msg.get("values")
-        try:
-            if not isinstance(values, list) or not values:
-                raise TypeError("no value ids")
-            run, first, src, client = msg["run"], values[0], msg["src"], msg["client"]
-            # (kept as the inbox's key: a src no run may name would sit there unused)
-            if type(run) is not int or type(first) is not int or not is_name(src):
-                raise TypeError("a transfer names a run, a value id and a worker")
-            if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
-                raise ValueError("a client key too long")
-            key = (run, first, src)
-        except (KeyError, TypeError, ValueError):
+        first = values[0] if isinstance(values, list) and values else None
+        key = _transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
+        if key is None:
             log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
             return
+        client = msg["client"]
         session = self._session(client, client.split("/", 1)[0], create=False)
         if session is None:
             session = self._transfer_session(client, sender)
@@ -456,13 +449,10 @@ class Worker:
 
     def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
         """Send a kept transfer again, if the identity it was sent to asks for it."""
-        run, value, dst, client = (msg.get(k) for k in ("run", "value", "dst", "client"))
-        if type(run) is not int or type(value) is not int or not is_name(dst):
-            return  # (an int() of inf raised past the check, a traceback each time)
-        if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
+        key = _transfer_key(msg.get("run"), msg.get("value"), msg.get("dst"), msg.get("client"))
+        if key is None:
             return
-        key = (run, value, dst)
-        session = self._session(client, "", create=False)
+        session = self._session(msg["client"], "", create=False)
         kept = session.sent.get(key) if session is not None else None
         # Within the asker's request rate, and RESENDS times at most: a kept transfer can be
         # large, the sender thread is everyone's, and a client may name itself as the
@@ -764,6 +754,21 @@ class EndedSessions:
     def why(self, peer: str, key: str) -> str | None:
         kept = self._by_peer.get(peer)
         return kept.get(key) if kept is not None else None
+
+
+def _transfer_key(
+    run: object, value: object, worker: object, client: object
+) -> tuple[int, int, str] | None:
+    """(run, value id, worker) of a transfer, or of an ask to resend one, from what its
+    message says; None if that is no key: the ids must be ints (int() of an infinite one
+    raised past the checks), the worker a name a run may name (the key is kept, and one no
+    run may name would sit in an inbox unused), the client key a string of at most
+    MAX_CLIENT_KEY characters."""
+    if type(run) is not int or type(value) is not int or not is_name(worker):
+        return None
+    if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
+        return None
+    return run, value, worker
 
 
 def _client_key(sender: str, msg: dict) -> str:
