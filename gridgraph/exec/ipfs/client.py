@@ -134,8 +134,9 @@ def grid_over(
         transport.directory = directory  # whom to seal a worker's messages for
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
         ask_workers(transport)
-        names = directory.wait(min_workers, timeout, workers, settle=HEARTBEAT, where=where)
-        directory.pin(names)
+        names = directory.wait(
+            min_workers, timeout, workers, settle=HEARTBEAT, where=where, pin=True
+        )
         client = Client(
             transport,
             names,

@@ -305,22 +305,30 @@ class Directory:
         names: list[str] | None = None,
         settle: float = 0.0,
         where: str = "the grid",
+        pin: bool = False,
     ) -> list[str]:
         """Wait until `names` (or at least `min_workers` workers) are alive; return the names.
 
         Without `names`, keeps listening until `settle` s have passed, so every live worker
-        has announced itself at least once. Raises GridError at `timeout`.
+        has announced itself at least once. With `pin`, pins the names returned in the same
+        hold of the lock: a full directory dropping silent names in between could otherwise
+        drop one of them first. Raises GridError at `timeout`.
         """
         start = time.monotonic()
         with self._cv:
             while True:
                 live = self.live()
                 now = time.monotonic()
+                found = None
                 if names is not None:
                     if all(n in live for n in names):
-                        return list(names)
+                        found = list(names)
                 elif len(live) >= min_workers and (now - start >= settle or now - start > timeout):
-                    return live
+                    found = live
+                if found is not None:
+                    if pin:
+                        self.pin(found)
+                    return found
                 if now - start > timeout:
                     wanted = f"workers {', '.join(names)}" if names else f"{min_workers} workers"
                     raise GridError(
