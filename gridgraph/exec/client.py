@@ -640,9 +640,14 @@ class Client:
                     self._replies.pop(rid, None)
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
-        """The replies to `rids`, all in (under _cv)."""
+        """The replies to `rids`, all in (under _cv). An error that names no worker (a
+        malformed one: see `_on_reply`) names the worker that sent it."""
         self._put_frees_back(rids)
-        return {w: self._replies.pop(rid) for w, rid in rids.items()}
+        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
+        for w, reply in replies.items():
+            if not reply["ok"] and not isinstance(reply["error"].get("worker"), str):
+                reply["error"]["worker"] = w
+        return replies
 
     def _put_frees_back(self, rids: dict[str, str]) -> None:
         """(under _cv) The frees of the requests among `rids` that freed nothing go with
@@ -675,7 +680,7 @@ class Client:
         if not msg["ok"]:  # client reads of an error is made plain data here, once)
             error = msg.get("error")
             if not isinstance(error, dict):
-                error = {"worker": sender, "message": "a malformed error reply"}
+                error = {"worker": None, "message": "a malformed error reply"}
             code = error.get("code")
             error["code"] = code if isinstance(code, str) else None
             error["refused"] = error.get("refused") is True

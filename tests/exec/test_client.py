@@ -369,10 +369,11 @@ def test_a_reply_naming_no_request_id_is_dropped_quietly(local_grid, re):
 
 def _client_of_a_worker_answering(reply_to: Callable[[str], dict]) -> Client:
     """A client of worker w0 on a local bus, where w0 answers every request with
-    `reply_to(its id)`, as a broken or hostile worker may."""
+    `reply_to(its id)`, as a broken or hostile worker may. Its identity is not its name,
+    as on IPFS."""
     bus = LocalBus()
     client = Client(bus.endpoint("client"), ["w0"])
-    worker = bus.endpoint("w0")
+    worker = bus.endpoint("identity-of-w0")
 
     def answer(sender: str, payload: bytes) -> None:
         msg = wire.decode(payload)
@@ -391,6 +392,10 @@ def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
     )
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
         client.request("w0", {"kind": "ping"})
+    rid = client._send("w0", {"kind": "ping"})  # (the reply to a run's request, as a run
+    with client._cv:  # reads it: its error names the worker, not its transport identity)
+        reply = client._take_replies({"w0": rid})["w0"]
+    assert client._remote_error(reply["error"], []).worker == "w0"
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
         client._send("w0", {"kind": "free"}, awaited=False)  # (its reply is read too)
         client.request("w0", {"kind": "ping"})
