@@ -16,12 +16,13 @@ State:
                (`sessions_per_peer` of them, and no eviction), not against the peer it
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
-    ended      why the worker ended sessions its clients had used (lease, eviction), by key,
+    ended      why sessions its clients had used ended (bye, lease, eviction), by key,
                ENDED_KEPT per peer for the ENDED_PEERS latest peers: a later request of
                such a session is refused as `session-ended` naming the cause (the client
                raises `gg.SessionLost`), and no empty session is opened in its place, whose
-               runs would fail as "value not stored". Sessions ended by their bye, or
-               opened by a transfer and never adopted, leave no record.
+               runs would fail as "value not stored" and which would hold what the request
+               brought until its lease ran out. Sessions opened by a transfer and never
+               adopted leave no record.
     rate       a token bucket per peer (limits.py)
     stray      per sending peer, the bytes of its transfers kept for sessions whose runs
                never named it: charged to it (up to `max_client_memory`), not to them, so
@@ -621,6 +622,9 @@ class Worker:
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
+            # A request of it that comes later (a put delayed past the bye, say) is refused:
+            # it opened a new session, which held what it brought until its lease ran out.
+            self.ended.add(session, f"this session ended at its client's bye to {self.name}")
         n = session.close()
         for msg, _, payload in waiting:
             msg = msg or wire.decode(payload)  # (checked when it arrived)

@@ -218,11 +218,14 @@ def test_bye_frees_everything_the_session_held(local_grid):
     other.close()
     assert not [k for k in worker.sessions if k.startswith("bob/")]
     assert session.memory() == 0 and not session.records and not session.programs
-    late = Peer(local_grid, "bob", other.client.session)  # a late request of that session
+    late = Peer(local_grid, "bob", other.client.session)  # late requests of that session
     fetch = {"kind": "run", "run": 9, "plan": 9, "program": [[["return", 0]]],
              "slots": [x._vid], "params": []}  # fmt: skip
-    reply = late.request("w2", fetch)  # finds nothing left of it
-    assert not reply["ok"] and "not stored here" in reply["error"]["message"]
+    for request in (fetch, {"kind": "put", "values": [[7, torch.ones(1000)]]}):
+        reply = late.request("w2", request)  # refused: they opened a new, empty session,
+        error = reply["error"]  # which kept a put's tensors until its lease ran out
+        assert error["code"] == "session-ended" and "bye" in error["message"], reply
+        assert not [k for k in worker.sessions if k.startswith("bob/")]
 
 
 def test_a_failed_run_tells_the_worker_waiting_for_its_grouped_send(local_grid):
