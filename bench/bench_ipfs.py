@@ -42,7 +42,13 @@ import torch
 import gridgraph as gg
 from gridgraph.exec.ipfs.discovery import discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
-from gridgraph.exec.ipfs.swarm import spawn_worker, start_nodes, stop_nodes, stop_worker
+from gridgraph.exec.ipfs.swarm import (
+    spawn_worker,
+    start_nodes,
+    stat_fields,
+    stop_nodes,
+    stop_worker,
+)
 from gridgraph.exec.ipfs.transport import BLOCK_SIZE, FETCH_WINDOW
 
 BLOCK = 50  # rounds per block, for the spread of a round-trip ratio
@@ -125,16 +131,6 @@ def round_trips(echo: Echo, grid: gg.Grid, rounds: int) -> tuple[list, list]:
             raw_rtt.append(raw)
             gg_rtt.append(ours)
     return gg_rtt, raw_rtt
-
-
-def stat_fields(pid: int | str) -> list[str] | None:
-    """The fields of /proc/PID/stat after the process name (state, parent, ...), or None if
-    there is no such process (gone meanwhile)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces)
 
 
 def cpu_seconds(pids: list[int]) -> float:

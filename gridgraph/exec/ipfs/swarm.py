@@ -153,10 +153,22 @@ def _is_ipfs_daemon(pid: int) -> bool:
         pass
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
+    except OSError:
         return False
-    return state != "Z" and b"daemon" in cmdline and Path(cmdline[0].decode()).name == "ipfs"
+    fields = stat_fields(pid)
+    if not fields or fields[0] == "Z":
+        return False
+    return b"daemon" in cmdline and Path(cmdline[0].decode()).name == "ipfs"
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the process name (state, parent, ...), or None if
+    there is no such process (gone meanwhile)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces and parentheses)
 
 
 def _wait_for_api(node: NodeInfo, proc: subprocess.Popen, timeout: float) -> None:
