@@ -640,12 +640,12 @@ class Client:
                     self._replies.pop(rid, None)
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
-        """The replies to `rids`, all in (under _cv). An error that names no worker (a
-        malformed one: see `_on_reply`) names the worker that sent it."""
+        """The replies to `rids`, all in (under _cv). An error names the worker it came
+        from, whatever it says (a hostile or broken one could name another, or none)."""
         self._put_frees_back(rids)
         replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
         for w, reply in replies.items():
-            if not reply["ok"] and not isinstance(reply["error"].get("worker"), str):
+            if not reply["ok"]:
                 reply["error"]["worker"] = w
         return replies
 

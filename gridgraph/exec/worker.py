@@ -16,13 +16,15 @@ State:
                (`sessions_per_peer` of them, and no eviction), not against the peer it
                names, until that peer's own request adopts it. So no one else's transfers
                can make a worker end a client's sessions.
-    ended      why sessions its clients had used ended (bye, lease, eviction), by key,
-               ENDED_KEPT per peer for the ENDED_PEERS latest peers: a later request of
-               such a session is refused as `session-ended` naming the cause (the client
-               raises `gg.SessionLost`), and no empty session is opened in its place, whose
-               runs would fail as "value not stored" and which would hold what the request
-               brought until its lease ran out. Sessions opened by a transfer and never
-               adopted leave no record.
+    ended      why the worker ended sessions its clients had used (lease, eviction), by key,
+    left       and which ones their clients ended (bye), each ENDED_KEPT per peer for the
+               ENDED_PEERS latest peers (apart, so a peer's byes never push out why the
+               worker ended one of its sessions): a later request of such a session is
+               refused as `session-ended` naming the cause (the client raises
+               `gg.SessionLost`), and no empty session is opened in its place, whose runs
+               would fail as "value not stored" and which would hold what the request
+               brought (a put delayed past its bye) until its lease ran out. Sessions opened
+               by a transfer and never adopted leave no record.
     rate       a token bucket per peer (limits.py)
     stray      per sending peer, the bytes of its transfers kept for sessions whose runs
                never named it: charged to it (up to `max_client_memory`), not to them, so
@@ -171,6 +173,8 @@ class Worker:
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
         self.ended = EndedSessions()  # (under _lock)
+        self.left = EndedSessions()  # sessions ended by their bye (under _lock)
+        self._left_why = f"this session ended at its client's bye to worker {name}"
         # what each sender's transfers hold in the inboxes of sessions whose runs never
         # named it: charged to it, up to the client memory limit, not to those sessions
         self.stray = SenderBudgets(self.limits.max_client_memory)
@@ -352,8 +356,10 @@ class Worker:
                 return None
             if session is not None and (not create or opened_by or not session.opened_by):
                 return session
-            if session is None and (why := self.ended.why(peer, key)) is not None:
-                raise RequestError(why, "session-ended")
+            if session is None:
+                why = self.ended.why(peer, key) or self.left.why(peer, key)
+                if why is not None:
+                    raise RequestError(why, "session-ended")
             # A new session, or its client's first request to one a transfer opened.
             self._make_room(peer, opened_by)
             if session is None:
@@ -615,16 +621,15 @@ class Worker:
     # --- sessions ending ------------------------------------------------------------------
 
     def _forget(self, session: Session) -> int:
-        """End `session` at its bye: free it, and refuse the requests queued behind the bye."""
+        """End `session` at its bye: free it, refuse the requests queued behind the bye, and
+        remember it ended (`left`), so that one coming later is refused too."""
         with session.cv:
             session.closed = True  # later requests are refused on arrival
             waiting = list(session.queue)
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
-            # A request of it that comes later (a put delayed past the bye, say) is refused:
-            # it opened a new session, which held what it brought until its lease ran out.
-            self.ended.add(session, f"this session ended at its client's bye to {self.name}")
+            self.left.add(session, self._left_why)
         n = session.close()
         for msg, _, payload in waiting:
             msg = msg or wire.decode(payload)  # (checked when it arrived)

@@ -401,6 +401,20 @@ def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
         client.request("w0", {"kind": "ping"})
 
 
+def test_an_error_reply_naming_another_worker_names_the_one_that_sent_it():
+    # A worker's error named whatever worker it said: a hostile one made the client raise
+    # SessionLost for an innocent worker w1.
+    client = _client_of_a_worker_answering(
+        lambda rid: {"kind": "reply", "re": rid, "ok": False,
+                     "error": {"worker": "w1", "code": "session-ended", "message": "gone"}}
+    )  # fmt: skip
+    rid = client._send("w0", {"kind": "ping"})
+    with client._cv:
+        reply = client._take_replies({"w0": rid})["w0"]
+    lost = client._remote_error(reply["error"], [])
+    assert isinstance(lost, gg.SessionLost) and lost.worker == "w0"
+
+
 @pytest.mark.parametrize(
     "field", ["ok", "code", "refused", "upstream"], ids=lambda f: f"unhashable-{f}"
 )

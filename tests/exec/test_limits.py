@@ -262,6 +262,24 @@ def test_another_peers_churn_does_not_make_a_worker_forget_why_my_session_ended(
         assert ended.why("churn", f"churn/s{2 * ENDED_KEPT}") is not None
 
 
+def test_a_peers_byes_do_not_make_a_worker_forget_why_it_ended_one_of_its_sessions():
+    # Sessions ended by their bye are remembered too (a late request of one is refused),
+    # apart: kept with the others, a node whose clients open and close grids in a loop
+    # pushed out why the worker ended its other sessions ("value not stored" again).
+    with gg.local_grid(1) as grid:
+        victim = Peer(grid, "node", session="old")
+        assert victim.request("w0", {"kind": "put", "values": [[1, torch.ones(2)]]})["ok"]
+        grid.local_workers[0].expire_clients(0.0)  # its lease runs out
+        for i in range(2 * ENDED_KEPT):  # the same peer: clients on the same node
+            churn = Peer(grid, "node", session=f"s{i}")
+            assert churn.request("w0", {"kind": "ping"})["ok"]
+            assert churn.request("w0", {"kind": "bye"})["ok"]
+        error = victim.request("w0", run([["return", 0]], [1]))["error"]
+        assert error["code"] == "session-ended" and "lease" in error["message"], error
+        late = churn.request("w0", {"kind": "ping"})["error"]  # and the last one's bye holds
+        assert late["code"] == "session-ended" and "bye" in late["message"], late
+
+
 def test_a_session_id_past_its_length_limit_is_refused_and_opens_nothing():
     # Each session's key is kept (and, once the worker ends it, remembered): ids of 480 KB
     # held 30 MiB of keys for one peer's 64 ended sessions.
