@@ -680,7 +680,7 @@ class Client:
         if not msg["ok"]:  # client reads of an error is made plain data here, once)
             error = msg.get("error")
             if not isinstance(error, dict):
-                error = {"worker": None, "message": "a malformed error reply"}
+                error = {"message": "a malformed error reply"}  # (_take_replies names its worker)
             code = error.get("code")
             error["code"] = code if isinstance(code, str) else None
             error["refused"] = error.get("refused") is True
