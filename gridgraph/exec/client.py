@@ -46,9 +46,9 @@ from gridgraph.errors import (
 )
 from gridgraph.exec import resend, wire
 from gridgraph.exec.ops import OpRefused, resolve
+from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
-from gridgraph.exec.worker import client_topic, worker_topic
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves
@@ -63,7 +63,6 @@ FREE_BATCH = 512
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 # Error codes of a session that is gone on its worker, with the tensors it held there: its
 # executor was lost, or the session ended (lease, eviction) before a request ran.
-SESSION_GONE = frozenset({"session-lost", "session-ended"})
 # Every client of this process (gg.compile looks for the ones a step records on).
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -467,7 +466,7 @@ class Client:
             again = {
                 w: self._send(w, {**msgs[w], "program": plan.programs[w]})
                 for w, reply in replies.items()
-                if not reply.get("ok") and reply["error"].get("code") == "unknown-plan"
+                if not reply.get("ok") and reply["error"].get("code") == UNKNOWN_PLAN
             }
             replies.update(self._wait_all(again) if again else {})
         except WorkerLost:

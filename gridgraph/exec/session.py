@@ -95,6 +95,7 @@ from gridgraph.exec.ops import (
     resolve,
     runner,
 )
+from gridgraph.exec.protocol import MAX_NAME, UNKNOWN_PLAN, is_name
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs
@@ -129,7 +130,6 @@ log = logging.getLogger("gridgraph.worker")
 
 PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
-MAX_NAME = 256  # characters of a worker name or identity a run names (IPFS identities: ~100)
 CALL_STEP_BYTES = 1024  # a prepared call step (CompiledCall), about; see held_bytes
 FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by layouts
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
@@ -530,7 +530,7 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     else:
         program = session.programs.get(plan_id)
         if program is None:
-            raise RequestError(f"unknown plan {plan_id}: send its program again", "unknown-plan")
+            raise RequestError(f"unknown plan {plan_id}: send its program again", UNKNOWN_PLAN)
     if len(slots) != program.n_slots or not program.params <= params.keys():
         raise RequestError(f"run of plan {plan_id} does not fit its program")
     peers = _peers(msg.get("peers", {}), program, plan_id)
@@ -547,13 +547,6 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     _free(session, frees)
     deadline = host.limits.deadline(start)
     return Run(host, session, run, slots, params, peers, deadline).execute(program, checked)
-
-
-def is_name(value: Any) -> bool:
-    """Whether a run may name `value` as a worker or as a worker's identity: a string of 1
-    to MAX_NAME characters. Each is kept a while (with the session, with the transfers kept
-    for resending, on IPFS in the transport's key caches), counted in no one's memory."""
-    return isinstance(value, str) and 0 < len(value) <= MAX_NAME
 
 
 def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:

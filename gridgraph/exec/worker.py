@@ -93,6 +93,17 @@ from gridgraph.exec.limits import (
     SenderBudgets,
     format_size,
 )
+from gridgraph.exec.protocol import (
+    ALREADY_SERVED,
+    MAX_CLIENT_KEY,
+    MAX_REQUEST_ID,
+    MAX_SESSION_ID,
+    REQUEST_KINDS,
+    SESSION_ENDED,
+    client_topic,
+    is_name,
+    worker_topic,
+)
 from gridgraph.exec.session import (
     RESEND_AFTER,
     RequestError,
@@ -101,7 +112,6 @@ from gridgraph.exec.session import (
     answer,
     encode_reply,
     error_body,
-    is_name,
     one_tensor_per_value,
     resend_wait,
     transfer_key,
@@ -110,40 +120,22 @@ from gridgraph.exec.transport import Transport
 
 log = logging.getLogger("gridgraph.worker")
 
-DISCOVERY_TOPIC = "gridgraph.discovery"
 # A session's serving thread waits this long for its next request before it ends.
 SERVER_LINGER = 2.0
 # How long `close` waits, at most, for its threads to end (a long op may be running).
 CLOSE_WAIT = 5.0
 # The reply to a request of a session that ended before it ran (nothing of it ran).
-SESSION_ENDED = RequestError(
+ENDED_BEFORE_RUN = RequestError(
     "the session ended (its bye, its lease, or its peer opening too many) before this request "
     "ran; nothing of it ran",
-    "session-ended",
+    SESSION_ENDED,
 )
 # A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
-REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
-# The longest session id a client may choose (a client's are 12 characters): each is kept
-# as part of its session's key, in `sessions` and `ended`.
-MAX_SESSION_ID = 64
-# The longest request id (a client's are a few hex digits): each is kept in its session's
-# records, 100,000 of them, counted at RECORD_BYTES each.
-MAX_REQUEST_ID = 64
-MAX_CLIENT_KEY = 1024  # identity (an IPFS one is ~110 characters) / session id
 # Ended sessions remembered (see `ended` above): per peer, and peers, the latest ones.
 ENDED_KEPT = 64
 ENDED_PEERS = 1024
-
-
-def worker_topic(name: str) -> str:
-    return f"gridgraph.worker.{name}"
-
-
-def client_topic(identity: str, session: str) -> str:
-    """Where a client session hears its replies: workers reply there and nowhere else."""
-    return f"gridgraph.client.{identity}.{session}"
 
 
 class Worker:
@@ -253,7 +245,7 @@ class Worker:
             return
         with session.cv:
             if session.closed:  # ended by its bye, its lease or an eviction meanwhile
-                self._refuse(reply_to, rid, SESSION_ENDED)
+                self._refuse(reply_to, rid, ENDED_BEFORE_RUN)
                 return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
@@ -274,7 +266,7 @@ class Worker:
                     error = RequestError(
                         f"request already served; its reply is no longer kept, or was sent "
                         f"{RESENDS} times again",
-                        "already-served",
+                        ALREADY_SERVED,
                     )
                     self._refuse(reply_to, rid, error)
                 return
@@ -359,7 +351,7 @@ class Worker:
             if session is None:
                 why = self.ended.why(peer, key) or self.left.why(peer, key)
                 if why is not None:
-                    raise RequestError(why, "session-ended")
+                    raise RequestError(why, SESSION_ENDED)
             # A new session, or its client's first request to one a transfer opened.
             self._make_room(peer, opened_by)
             if session is None:
@@ -633,7 +625,7 @@ class Worker:
         n = session.close()
         for msg, _, payload in waiting:
             msg = msg or wire.decode(payload)  # (checked when it arrived)
-            self._refuse(session.reply_topic, msg["id"], SESSION_ENDED)
+            self._refuse(session.reply_topic, msg["id"], ENDED_BEFORE_RUN)
         log.info("%s: client %s left", self.name, session.key)
         return n
 

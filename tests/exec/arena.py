@@ -100,7 +100,7 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
     clients (`new_peer`) on node 0, beside the victim."""
     from ipfs_fixtures import sealed_endpoint
 
-    from gridgraph.exec.worker import worker_topic
+    from gridgraph.exec.protocol import worker_topic
 
     attacker = request.getfixturevalue("outsider_node")  # no worker, in no trust list
     nodes = request.getfixturevalue("kubo_nodes")

@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 
 from gridgraph.exec import wire
+from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.transport import Transport
-from gridgraph.exec.worker import client_topic, worker_topic
 
 ALIGN = 64
 

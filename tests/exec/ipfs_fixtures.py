@@ -39,8 +39,8 @@ from gridgraph.exec.ipfs.swarm import (
     stop_worker,
 )
 from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_topic, worker_topic
 from gridgraph.exec.transport import Handler, Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
 
 
 @pytest.fixture(scope="session")

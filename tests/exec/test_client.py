@@ -13,8 +13,8 @@ import torch
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.client import FREE_BATCH, Client
+from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.transport import LocalBus
-from gridgraph.exec.worker import client_topic, worker_topic
 
 
 def test_pointer_holds_metadata_only(grid):

@@ -32,7 +32,7 @@ from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, sealed_blocks, sealed_inline
-from gridgraph.exec.worker import DISCOVERY_TOPIC, client_topic, worker_topic
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_topic, worker_topic
 
 pytestmark = pytest.mark.ipfs
 

@@ -23,7 +23,7 @@ from gridgraph.exec import secure
 from gridgraph.exec.ipfs.discovery import load_trust
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.transport import ACK_PREFIX, INLINE_MAX, IpfsTransport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
 
 pytestmark = pytest.mark.ipfs
 

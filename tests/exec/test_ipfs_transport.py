@@ -24,7 +24,7 @@ from gridgraph.exec.ipfs.transport import (
     IpfsTransport,
     pack_blocks,
 )
-from gridgraph.exec.worker import worker_topic
+from gridgraph.exec.protocol import worker_topic
 
 pytestmark = pytest.mark.ipfs
 

@@ -29,14 +29,8 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.session import MAX_NAME
-from gridgraph.exec.worker import (
-    ENDED_KEPT,
-    MAX_REQUEST_ID,
-    MAX_SESSION_ID,
-    RESENDS,
-    worker_topic,
-)
+from gridgraph.exec.protocol import MAX_NAME, MAX_REQUEST_ID, MAX_SESSION_ID, worker_topic
+from gridgraph.exec.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30

@@ -43,8 +43,8 @@ from gridgraph.exec.ipfs.discovery import (
 )
 from gridgraph.exec.ipfs.progress import wanted
 from gridgraph.exec.ipfs.transport import GridTransport, open_transport
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
 from gridgraph.exec.transport import Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC, worker_topic
 from gridgraph.schedule.cost import CostModel
 
 log = logging.getLogger("gridgraph.ipfs")

@@ -52,9 +52,9 @@ from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.protocol import DISCOVERY_TOPIC
 from gridgraph.exec.secure import peer_of
 from gridgraph.exec.transport import Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC
 
 log = logging.getLogger("gridgraph.ipfs")
 

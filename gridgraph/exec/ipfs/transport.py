@@ -79,8 +79,8 @@ import msgpack
 from gridgraph.exec import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.ipfs.progress import Progress
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
 from gridgraph.exec.transport import Handler, Transport
-from gridgraph.exec.worker import DISCOVERY_TOPIC
 
 if TYPE_CHECKING:
     from gridgraph.exec.ipfs.discovery import Directory
@@ -101,8 +101,6 @@ DELIVERED_KEPT = 1024  # ids of large payloads received, to recognise resent cop
 BLOB_ID_BYTES = 16  # a large payload's id: random, made by its sender
 SEALED_INLINE = b"\x00"  # + the payload: what GridTransport seals, for an inline payload
 SEALED_BLOCKS = b"\x01"  # + msgpack {"b": [[cid, size], ...], "t": total, "k": key, "i": id}
-WORKER_PREFIX = "gridgraph.worker."  # + worker name
-CLIENT_PREFIX = "gridgraph.client."  # + client identity + "." + session
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
 assert BLOCK_SIZE + secure.TAG_BYTES <= MAX_BLOCK_SIZE
 
@@ -459,12 +457,14 @@ class GridTransport(IpfsTransport):
 
     def recipient(self, topic: str) -> str | None:
         """The endpoint that receives what is published on `topic`, or None if none is known."""
-        if topic.startswith(WORKER_PREFIX):
+        worker = worker_of_topic(topic)
+        if worker is not None:
             if self.directory is None:
                 return None
-            return self.directory.identity(topic[len(WORKER_PREFIX) :], wait=self.resolve_wait)
-        if topic.startswith(CLIENT_PREFIX):
-            return topic[len(CLIENT_PREFIX) :].partition(".")[0]
+            return self.directory.identity(worker, wait=self.resolve_wait)
+        client = client_of_topic(topic)
+        if client is not None:
+            return client
         if topic.startswith(ACK_PREFIX):
             return topic[len(ACK_PREFIX) :]
         return None

@@ -79,7 +79,8 @@ import msgpack
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
 from gridgraph.exec.limits import GiB, LimitExceeded, Limits
-from gridgraph.exec.session import Session, UpstreamFailed, answer, is_name, transfer_key
+from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
 if TYPE_CHECKING:
     from gridgraph.exec.worker import Worker
@@ -100,7 +101,7 @@ _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
 class ExecutorLost(Exception):
     """A session's executor is gone; `str(e)` says why."""
 
-    code = "session-lost"
+    code = SESSION_LOST
 
 
 @cache

@@ -23,7 +23,8 @@ import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.limits import Limits
-from gridgraph.exec.session import MAX_NAME, Session
+from gridgraph.exec.protocol import MAX_NAME
+from gridgraph.exec.session import Session
 
 
 @pytest.fixture(scope="module")
