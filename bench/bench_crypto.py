@@ -5,7 +5,7 @@ Run: python bench/bench_crypto.py [--mb 64]
 
 Prints GiB/s for encrypting and decrypting a payload of fresh random bytes piece by piece
 (512 KiB pieces, as the IPFS transport cuts blocks) with AES-256-GCM (what gridgraph uses,
-through gridgraph.exec.secure) and ChaCha20-Poly1305 (the other choice), medians of 5 runs;
+through gridgraph.exec.ipfs.secure) and ChaCha20-Poly1305 (the other choice), medians of 5 runs;
 next to a plain copy of the same pieces (what memory alone allows on this machine now);
 then microseconds to seal and open a 200-byte message between two endpoints. Target: at
 least 1 GiB/s for the cipher in use.
@@ -20,7 +20,7 @@ import time
 
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from gridgraph.exec import secure
+from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.transport import BLOCK_SIZE
 
 TARGET = 1.0  # GiB/s

@@ -21,7 +21,7 @@ Raw and gridgraph samples alternate, so both see the same load (the machine may 
 medians over the rounds; every payload is fresh random bytes, so no block is already there.
 Next to each round-trip ratio: its lowest and highest over blocks of BLOCK rounds, which shows
 how far a ratio moves within one run (runs on a small shared machine differ by about 0.02x).
-gridgraph encrypts every message and block end to end (gridgraph.exec.secure); the raw
+gridgraph encrypts every message and block end to end (gridgraph.exec.ipfs.secure); the raw
 calls move plaintext.
 """
 

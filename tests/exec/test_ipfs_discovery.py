@@ -11,8 +11,8 @@ import logging
 import time
 from collections import Counter
 
-from gridgraph.exec import secure, wire
-from gridgraph.exec.ipfs import discovery
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs import discovery, secure
 from gridgraph.exec.ipfs.discovery import Directory
 
 

@@ -26,7 +26,8 @@ from ipfs_fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_al
 
 import gridgraph as gg
 from gridgraph.errors import GridError
-from gridgraph.exec import secure, wire
+from gridgraph.exec import wire
+from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.client import grid_over
 from gridgraph.exec.ipfs.discovery import HEARTBEAT, discover
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gridgraph as gg
-from gridgraph.exec import secure
+from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.discovery import load_trust
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.transport import ACK_PREFIX, INLINE_MAX, IpfsTransport

@@ -1,4 +1,4 @@
-"""gridgraph.exec.secure without a network: sealing, opening, and every bad input refused."""
+"""gridgraph.exec.ipfs.secure without a network: sealing, opening, and every bad input refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import msgpack
 import pytest
 
-from gridgraph.exec import secure
+from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.progress import PROGRESS_MIN, Progress, wanted
 
 ALICE, BOB, EVE = "12D3KooWalice", "12D3KooWbob", "12D3KooWeve"

@@ -83,7 +83,7 @@ def connect(
     `trust`: the workers this client uses, {name: peer ID}, a list of peer IDs, or a file of
     either (discovery.load_trust; `gridgraph id --ipfs ADDR` prints a node's peer ID); other
     peers announcing workers are ignored. Default: any worker on the grid (an open grid).
-    Every message and block is end-to-end encrypted either way (gridgraph.exec.secure).
+    Every message and block is end-to-end encrypted either way (gridgraph.exec.ipfs.secure).
     `progress`: a progress bar on stderr for payloads over 64 MiB (default: when stderr is a
     terminal).
 

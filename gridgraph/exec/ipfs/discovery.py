@@ -27,7 +27,7 @@ identity of each worker they involve, and workers send and take transfers betwee
 identities only (worker.py). A worker's own directory serves its rival check at start and
 says whether another worker still answers; a peer that owns a name there gets nothing.
 
-Identities: on a GridTransport a sender is "<peer ID>~<public key>" (gridgraph.exec.secure):
+Identities: on a GridTransport a sender is "<peer ID>~<public key>" (gridgraph.exec.ipfs.secure):
 the directory keeps it whole, so messages for worker `w` are sealed for the key `w`
 announced, and compares names' owners by peer ID (a worker restarted on its node keeps its
 name). Trust: a Directory given `trust` (`load_trust`: names -> peer IDs, or just peer IDs)
@@ -51,9 +51,9 @@ from pathlib import Path
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import KuboError
+from gridgraph.exec.ipfs.secure import peer_of
 from gridgraph.exec.ipfs.transport import GridTransport
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
-from gridgraph.exec.secure import peer_of
 from gridgraph.exec.transport import Transport
 
 log = logging.getLogger("gridgraph.ipfs")

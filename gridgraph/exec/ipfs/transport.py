@@ -10,7 +10,7 @@ Two layers, one class each:
     fetches them with `block get` (bitswap pulls them from the publisher), checks every size
     and the total, and hands the joined payload to the handler.
 - `GridTransport` is what gridgraph runs on: every message sealed end to end for the one
-  endpoint that subscribes to its topic (gridgraph.exec.secure: X25519 keys bound to the
+  endpoint that subscribes to its topic (gridgraph.exec.ipfs.secure: X25519 keys bound to the
   libp2p peer IDs Kubo signs, AES-GCM, replays dropped). What it adds:
   - receivers: a message is sealed for the identity its publisher gives (`to`), else for
     the one the topic names: `gridgraph.worker.NAME` for the worker that owns NAME in
@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from gridgraph.exec import secure
+from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
