@@ -2,7 +2,7 @@
 
 Run: python bench/bench_charges.py [--only SUBSTRING]
 
-A worker refuses a program before it runs from its charges (gridgraph/exec/limits.py): the
+A worker refuses a program before it runs from its charges (gridgraph/exec/safety/limits.py): the
 bytes each op makes and its scratch (`op_footprint`, or `data_dependent_footprint`), and its
 work, which a time limit divides by WORK_PER_SECOND. This runs each case below in a child
 process of its own (one intra-op thread, its address space capped at 8 GiB), charges it
@@ -81,8 +81,8 @@ CASES = {
 
 def measure(label: str) -> dict:
     """In this (child) process: charge the case as a worker does, then run it."""
-    from gridgraph.exec.limits import WORK_PER_SECOND, data_dependent_footprint
     from gridgraph.exec.ops import RandomState
+    from gridgraph.exec.safety.limits import WORK_PER_SECOND, data_dependent_footprint
     from gridgraph.exec.session import CompiledCall
 
     cap = 8 << 30

@@ -25,8 +25,8 @@ from gridgraph.errors import (
 )
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
-from gridgraph.exec.limits import Limits
 from gridgraph.exec.replay import Compiled, compile
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on

@@ -19,7 +19,7 @@ import logging
 import sys
 
 from gridgraph.exec.ipfs import swarm
-from gridgraph.exec.limits import Limits, parse_size
+from gridgraph.exec.safety.limits import Limits, parse_size
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import torch
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client import Client
-from gridgraph.exec.limits import Limits
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker import Worker

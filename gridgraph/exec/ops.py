@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec import kernel_checks
+from gridgraph.exec.safety import kernel_checks
 from gridgraph.exec.wire import MAX_DIMS
 from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
 from gridgraph.trace.meta import NEAREST_UPSAMPLINGS, run_on_meta

@@ -76,16 +76,6 @@ from typing import Any, Protocol
 import torch
 
 from gridgraph.exec import intraop, resend, wire
-from gridgraph.exec.limits import (
-    RECORD_BYTES,
-    TRANSFER_BYTES,
-    LimitExceeded,
-    Limits,
-    TimeLimitExceeded,
-    data_dependent_footprint,
-    meta_like,
-    op_footprint,
-)
 from gridgraph.exec.ops import (
     OpRefused,
     RandomState,
@@ -96,6 +86,16 @@ from gridgraph.exec.ops import (
     runner,
 )
 from gridgraph.exec.protocol import MAX_NAME, UNKNOWN_PLAN, is_name
+from gridgraph.exec.safety.limits import (
+    RECORD_BYTES,
+    TRANSFER_BYTES,
+    LimitExceeded,
+    Limits,
+    TimeLimitExceeded,
+    data_dependent_footprint,
+    meta_like,
+    op_footprint,
+)
 from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.schedule.plan import Param, Slot, call_refs

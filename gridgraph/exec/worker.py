@@ -85,14 +85,6 @@ from collections.abc import Callable
 
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
-from gridgraph.exec.limits import (
-    TRANSFER_BYTES,
-    LimitExceeded,
-    Limits,
-    RateLimiter,
-    SenderBudgets,
-    format_size,
-)
 from gridgraph.exec.protocol import (
     ALREADY_SERVED,
     MAX_CLIENT_KEY,
@@ -103,6 +95,14 @@ from gridgraph.exec.protocol import (
     client_topic,
     is_name,
     worker_topic,
+)
+from gridgraph.exec.safety.limits import (
+    TRANSFER_BYTES,
+    LimitExceeded,
+    Limits,
+    RateLimiter,
+    SenderBudgets,
+    format_size,
 )
 from gridgraph.exec.session import (
     RESEND_AFTER,

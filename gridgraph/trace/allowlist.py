@@ -25,7 +25,7 @@ Three properties the worker adds (exec/ops.py): every result is checked against 
 bounds (a view reaching past its storage is refused), the results of the ops in
 UNINITIALIZED are zero-filled, so no client reads memory another client freed, and the
 arguments of kernels whose CPU code indexes with them unchecked are checked first
-(exec/kernel_checks.py: an op added here whose kernel trusts its arguments needs a check).
+(exec/safety/kernel_checks.py: an op added here whose kernel trusts its arguments needs a check).
 
 To add an op: check that it validates its arguments, does not reach outside its tensors'
 storage or the process's tensor math, then list it under its category.

@@ -18,7 +18,7 @@ import torch
 from hostile import Peer, run
 
 import gridgraph as gg
-from gridgraph.exec.limits import Limits
+from gridgraph.exec.safety.limits import Limits
 
 MiB = 1 << 20
 LOCAL_LIMITS = dict(

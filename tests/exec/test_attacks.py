@@ -29,8 +29,8 @@ import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.transport import pack_blocks, sealed_blocks
-from gridgraph.exec.limits import Limits
 from gridgraph.exec.protocol import worker_topic
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.schedule.plan import Slot
 
 

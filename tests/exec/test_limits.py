@@ -20,8 +20,10 @@ from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import kernel_checks, ops, session, wire
-from gridgraph.exec.limits import (
+from gridgraph.exec import ops, session, wire
+from gridgraph.exec.protocol import MAX_NAME, MAX_REQUEST_ID, MAX_SESSION_ID, worker_topic
+from gridgraph.exec.safety import kernel_checks
+from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     Limits,
     MiB,
@@ -29,7 +31,6 @@ from gridgraph.exec.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.protocol import MAX_NAME, MAX_REQUEST_ID, MAX_SESSION_ID, worker_topic
 from gridgraph.exec.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
 

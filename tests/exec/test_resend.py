@@ -25,8 +25,8 @@ from gridgraph.exec import session, wire
 from gridgraph.exec import worker as worker_module
 from gridgraph.exec.client import FREE_BATCH, Client
 from gridgraph.exec.grid import Grid
-from gridgraph.exec.limits import Limits
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.worker import Worker
 

@@ -16,7 +16,7 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import session, worker
-from gridgraph.exec.limits import Limits
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.schedule.plan import Param, Slot
 
 

@@ -30,8 +30,8 @@ from gridgraph.exec.ipfs.discovery import (
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
 from gridgraph.exec.isolation import executor
-from gridgraph.exec.limits import Limits
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker import Worker
 
 log = logging.getLogger("gridgraph.ipfs")

@@ -78,8 +78,8 @@ import msgpack
 
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
-from gridgraph.exec.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.safety.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
 
 if TYPE_CHECKING:

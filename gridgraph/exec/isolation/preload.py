@@ -8,7 +8,7 @@ executor forked from it then starts in tens of milliseconds (see executor.py).
 import torch
 
 import gridgraph.exec.isolation.executor  # noqa: F401  (the executor's own code)
-from gridgraph.exec.limits import op_footprint
+from gridgraph.exec.safety.limits import op_footprint
 
 _meta = torch.empty(2, 2, device="meta")
 op_footprint(torch.ops.aten.mm.default, [_meta, _meta], {})

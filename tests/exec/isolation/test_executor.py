@@ -22,8 +22,8 @@ from local_peer import Peer, add_one_in_place, second_client
 import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
-from gridgraph.exec.limits import Limits
 from gridgraph.exec.protocol import MAX_NAME
+from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.session import Session
 
 

@@ -28,7 +28,7 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec.isolation import cgroups, executor, sandbox
-from gridgraph.exec.limits import Limits
+from gridgraph.exec.safety.limits import Limits
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 

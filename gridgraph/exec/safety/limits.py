@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import argument_reader, stored_magnitude, tensors_in
+from gridgraph.exec.safety.arguments import argument_reader, stored_magnitude, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
 from gridgraph.trace.meta import run_on_meta
 

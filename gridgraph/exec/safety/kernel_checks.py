@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gridgraph.exec.arguments import Arg, argument_reader, stored_magnitude, stored_values
+from gridgraph.exec.safety.arguments import Arg, argument_reader, stored_magnitude, stored_values
 
 
 class KernelArgumentRefused(ValueError):
