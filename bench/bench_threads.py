@@ -14,7 +14,7 @@ elementwise op does not change. MKL runs even that mm on all threads (PyTorch tu
 dynamic threading off), and with two threads driving OpenMP the helper threads sleep between
 calls, so each call pays to wake them. `torch.set_num_threads(1)` on the second thread
 removes it, at the price of big products running on one core there: so a gridgraph worker
-runs only its small ops on one thread (gridgraph/exec/intraop.py).
+runs only its small ops on one thread (gridgraph/exec/worker/intraop.py).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from bench_trace import step as wide_step
 from torch import nn
 
 import gridgraph as gg
-from gridgraph.exec import session as worker_session
+from gridgraph.exec.worker import session as worker_session
 
 
 class RunTimer:

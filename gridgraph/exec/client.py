@@ -45,10 +45,10 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec import resend, wire
-from gridgraph.exec.ops import OpRefused, resolve
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
+from gridgraph.exec.worker.ops import OpRefused, resolve
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves

@@ -17,7 +17,7 @@ from gridgraph.exec.client import Client
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
-from gridgraph.exec.worker import Worker
+from gridgraph.exec.worker.worker import Worker
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 

@@ -1,8 +1,9 @@
 """The op vocabulary of the graph: the ATen overloads a worker will run, by name, by category.
 
-Policy: an allowlist. A worker runs an op only if its overload name is listed here (exec/ops.py
-enforces this on the worker); the recorder (trace/record.py) decomposes any other op into
-listed ones with PyTorch's own decompositions (torch._decomp), or refuses it at the call.
+Policy: an allowlist. A worker runs an op only if its overload name is listed here
+(exec/worker/ops.py enforces this on the worker); the recorder (trace/record.py) decomposes
+any other op into listed ones with PyTorch's own decompositions (torch._decomp), or refuses
+it at the call.
 
 How the list was built: the ops gridgraph records are those that reach
 `__torch_dispatch__`. `scripts/collect_dispatch_ops.py` runs every OpInfo sample of PyTorch's
@@ -21,7 +22,7 @@ files and raw memory (`from_file`, `data_ptr`). The private (leading `_`) overlo
 listed are the kernels behind public functions (`_softmax`, `_to_copy`, `_fft_c2c`,
 `_linalg_svd`, ...): each was reviewed and checks its arguments as its public function does.
 
-Three properties the worker adds (exec/ops.py): every result is checked against its storage's
+Three properties the worker adds (exec/worker/ops.py): every result is checked against its storage's
 bounds (a view reaching past its storage is refused), the results of the ops in
 UNINITIALIZED are zero-filled, so no client reads memory another client freed, and the
 arguments of kernels whose CPU code indexes with them unchecked are checked first

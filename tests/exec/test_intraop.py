@@ -11,7 +11,12 @@ import threading
 import pytest
 import torch
 
-from gridgraph.exec.intraop import GRAIN_SIZE, SMALL_WORK, threads_matter_from, use_threads_for
+from gridgraph.exec.worker.intraop import (
+    GRAIN_SIZE,
+    SMALL_WORK,
+    threads_matter_from,
+    use_threads_for,
+)
 
 
 def on_new_thread(fn):

@@ -15,8 +15,8 @@ import torch
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec.ops import resolve
 from gridgraph.exec.safety.kernel_checks import KernelArgumentRefused, checked_arguments
+from gridgraph.exec.worker.ops import resolve
 from gridgraph.schedule.plan import Slot
 
 LONG, INT = torch.long, torch.int32

@@ -20,7 +20,7 @@ from hostile import run
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import ops, session, wire
+from gridgraph.exec import wire
 from gridgraph.exec.protocol import MAX_NAME, MAX_REQUEST_ID, MAX_SESSION_ID, worker_topic
 from gridgraph.exec.safety import kernel_checks
 from gridgraph.exec.safety.limits import (
@@ -31,7 +31,8 @@ from gridgraph.exec.safety.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import ENDED_KEPT, RESENDS
+from gridgraph.exec.worker import ops, session
+from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
 
 GiB = 1 << 30

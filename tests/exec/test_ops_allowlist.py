@@ -8,7 +8,7 @@ import torch
 
 import gridgraph as gg
 from gridgraph.errors import RecordError
-from gridgraph.exec.ops import OpRefused, RandomState, ViewOutOfBounds, check_view, resolve
+from gridgraph.exec.worker.ops import OpRefused, RandomState, ViewOutOfBounds, check_view, resolve
 from gridgraph.trace.allowlist import ALLOWED, CATEGORIES, REFUSED, UNINITIALIZED, category
 
 aten = torch.ops.aten

@@ -21,14 +21,15 @@ import torch
 
 import gridgraph as gg
 from gridgraph.errors import GridError
-from gridgraph.exec import session, wire
-from gridgraph.exec import worker as worker_module
+from gridgraph.exec import wire
 from gridgraph.exec.client import FREE_BATCH, Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
-from gridgraph.exec.worker import Worker
+from gridgraph.exec.worker import session
+from gridgraph.exec.worker import worker as worker_module
+from gridgraph.exec.worker.worker import Worker
 
 LONG = 60.0  # the fixed waits, in seconds: far longer than any test waits for a step
 

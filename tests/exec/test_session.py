@@ -15,8 +15,8 @@ import torch
 from local_peer import Peer
 
 import gridgraph as gg
-from gridgraph.exec import session, worker
 from gridgraph.exec.safety.limits import Limits
+from gridgraph.exec.worker import session, worker
 from gridgraph.schedule.plan import Param, Slot
 
 

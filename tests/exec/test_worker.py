@@ -22,7 +22,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.transport import LocalBus
-from gridgraph.exec.worker import Worker
+from gridgraph.exec.worker.worker import Worker
 from gridgraph.schedule.plan import Slot
 
 # --- exactly once ----------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 It announces itself on the discovery topic every `heartbeat` s (and at once when a client
 asks), refuses to start under a name a live worker already holds, serves requests with a
-`Worker` (gridgraph.exec.worker) over a `WorkerTransport`, frees the tensors of clients silent
-past their lease, and says goodbye on the discovery topic when it stops (SIGTERM/SIGINT).
+`Worker` (exec/worker/worker.py) over a `WorkerTransport`, frees the tensors of clients
+silent past their lease, and says goodbye on the discovery topic when it stops (SIGTERM/SIGINT).
 
 Its discovery directory serves the rival check and says whether another worker is still alive
 (a recv from a dead one fails at once); it never says who another worker is: each run names
@@ -32,7 +32,7 @@ from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_tra
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
 from gridgraph.exec.safety.limits import Limits
-from gridgraph.exec.worker import Worker
+from gridgraph.exec.worker.worker import Worker
 
 log = logging.getLogger("gridgraph.ipfs")
 

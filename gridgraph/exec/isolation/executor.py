@@ -80,10 +80,10 @@ from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
 from gridgraph.exec.protocol import SESSION_LOST, is_name
 from gridgraph.exec.safety.limits import GiB, LimitExceeded, Limits
-from gridgraph.exec.session import Session, UpstreamFailed, answer, transfer_key
+from gridgraph.exec.worker.session import Session, UpstreamFailed, answer, transfer_key
 
 if TYPE_CHECKING:
-    from gridgraph.exec.worker import Worker
+    from gridgraph.exec.worker.worker import Worker
 
 log = logging.getLogger("gridgraph.executor")
 

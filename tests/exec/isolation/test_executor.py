@@ -24,7 +24,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import MAX_NAME
 from gridgraph.exec.safety.limits import Limits
-from gridgraph.exec.session import Session
+from gridgraph.exec.worker.session import Session
 
 
 @pytest.fixture(scope="module")

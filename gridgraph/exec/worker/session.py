@@ -75,16 +75,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gridgraph.exec import intraop, resend, wire
-from gridgraph.exec.ops import (
-    OpRefused,
-    RandomState,
-    check_bounds,
-    check_view,
-    resizes,
-    resolve,
-    runner,
-)
+from gridgraph.exec import resend, wire
 from gridgraph.exec.protocol import MAX_NAME, UNKNOWN_PLAN, is_name
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
@@ -96,8 +87,18 @@ from gridgraph.exec.safety.limits import (
     meta_like,
     op_footprint,
 )
-from gridgraph.exec.store import ObjectStore
 from gridgraph.exec.transport import TrafficCounter
+from gridgraph.exec.worker import intraop
+from gridgraph.exec.worker.ops import (
+    OpRefused,
+    RandomState,
+    check_bounds,
+    check_view,
+    resizes,
+    resolve,
+    runner,
+)
+from gridgraph.exec.worker.store import ObjectStore
 from gridgraph.schedule.plan import Param, Slot, call_refs
 
 

@@ -104,7 +104,8 @@ from gridgraph.exec.safety.limits import (
     SenderBudgets,
     format_size,
 )
-from gridgraph.exec.session import (
+from gridgraph.exec.transport import Transport
+from gridgraph.exec.worker.session import (
     RESEND_AFTER,
     RequestError,
     Session,
@@ -116,7 +117,6 @@ from gridgraph.exec.session import (
     resend_wait,
     transfer_key,
 )
-from gridgraph.exec.transport import Transport
 
 log = logging.getLogger("gridgraph.worker")
 
