@@ -23,9 +23,9 @@ from gridgraph.errors import (
     SessionLost,
     WorkerLost,
 )
+from gridgraph.exec.client.compile import Compiled, compile
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
-from gridgraph.exec.replay import Compiled, compile
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.inspect import explain, visualize
 from gridgraph.trace.pointer import RemoteTensor

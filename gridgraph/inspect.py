@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gridgraph.exec.client import Client
+from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.schedule import explain as text
 from gridgraph.schedule.place import naive_placement

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from gridgraph.errors import GridError
-from gridgraph.exec.client import Client
+from gridgraph.exec.client.client import Client
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES

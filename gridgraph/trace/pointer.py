@@ -26,7 +26,7 @@ _CPU = torch.device("cpu")  # a device object, not a string parsed per pointer
 class RemoteTensor(torch.Tensor):
     """A torch.Tensor whose data lives on a worker; ops on it are recorded, not run."""
 
-    _owner: Any  # the client that holds this pointer (gridgraph.exec.client.Client)
+    _owner: Any  # the client that holds this pointer (gridgraph.exec.client.client.Client)
     _vid: int  # the value it names now
 
     @staticmethod

@@ -12,7 +12,7 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.client import FREE_BATCH, Client
+from gridgraph.exec.client.client import FREE_BATCH, Client
 from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.transport import LocalBus
 

@@ -22,7 +22,7 @@ import torch
 import gridgraph as gg
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
-from gridgraph.exec.client import FREE_BATCH, Client
+from gridgraph.exec.client.client import FREE_BATCH, Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
 from gridgraph.exec.safety.limits import Limits

@@ -19,7 +19,7 @@ from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.client import Client
+from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.worker.worker import Worker

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
-from gridgraph.exec.client import Client
+from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.ipfs.discovery import (
     DEAD_AFTER,

@@ -141,7 +141,7 @@ class Client:
         # answer in the middle of the step (a sync point), which it refuses.
         self.on_sync: Callable[[str], None] | None = None
         # Values that came back with a compiled step's run (its small results): value id ->
-        # tensor, until the next compiled step or a recorded write (exec/replay.py).
+        # tensor, until the next compiled step or a recorded write (exec/client/compile.py).
         self.prefetched: dict[int, torch.Tensor] = {}
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release

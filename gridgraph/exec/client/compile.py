@@ -68,7 +68,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
-from gridgraph.exec.client import CLIENTS, Client, _Cell
+from gridgraph.exec.client.client import CLIENTS, Client, _Cell
 from gridgraph.schedule.plan import Plan, run_params
 from gridgraph.trace.graph import Const, Node
 from gridgraph.trace.meta import TensorMeta, as_sent
