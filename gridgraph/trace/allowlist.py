@@ -34,6 +34,13 @@ storage or the process's tensor math, then list it under its category.
 
 from __future__ import annotations
 
+import re
+from functools import cache
+
+import torch
+
+from gridgraph.trace.graph import op_name
+
 CATEGORIES: dict[str, tuple[str, ...]] = {
     # elementwise math, comparisons and activations, out of place and in place
     "pointwise": (
@@ -270,3 +277,42 @@ def category(name: str) -> str | None:
     """The category that lists `name` ('aten::add.Tensor' -> 'pointwise'), if any."""
     short = name.removeprefix("aten::")
     return next((c for c, names in CATEGORIES.items() if short in names), None)
+
+
+_NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
+# Ops that make or take sparse, mkldnn or nested tensors: workers hold, compute and send
+# dense strided tensors only (the wire format carries nothing else).
+_OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
+
+
+class OpRefused(ValueError):
+    """An op name a worker will not run."""
+
+
+@cache
+def resolve(name: str) -> torch._ops.OpOverload:
+    """The ATen overload called `name` ('aten::add.Tensor'), if it is on the allowlist."""
+    m = _NAME.match(name) if isinstance(name, str) else None
+    if m is None:
+        raise OpRefused(f"{name!r} is not an ATen op name")
+    base, overload = m.group(1), m.group(2) or "default"
+    canonical = f"aten::{base}" + ("" if overload == "default" else f".{overload}")
+    if canonical not in ALLOWED:
+        raise OpRefused(
+            f"{canonical} is not on the workers' op allowlist (gridgraph/trace/allowlist.py)"
+        )
+    return getattr(getattr(torch.ops.aten, base), overload)
+
+
+@cache
+def refusal(op: torch._ops.OpOverload) -> str | None:
+    """Why workers would not run `op` (not on the allowlist, or a layout other than
+    strided), or None when they run it: the recorder asks before it records a call."""
+    name = op_name(op)
+    if _OTHER_LAYOUTS.match(name):
+        return "only dense (strided) tensors are supported"
+    try:
+        resolve(name)
+    except OpRefused as e:
+        return str(e)
+    return None

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from gridgraph.errors import PlacementError, RecordError
+from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, infer
 
@@ -59,10 +60,6 @@ class Owner(Protocol):
     def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
 
     def discard(self, node: Node) -> None: ...
-
-    def refusal(self, op: torch._ops.OpOverload) -> str | None:
-        """Why workers would not run `op`, or None when they run it."""
-        ...
 
 
 # --- trace() -----------------------------------------------------------------------------
@@ -347,7 +344,7 @@ def to_meta(template: Any, graph: Graph) -> Any:
 
 def _prepare(op, call_key: tuple, owner: Owner, t_args: tuple, t_kwargs: dict, args, kwargs):
     """The recipe of a call not seen before; cached unless the op is data-dependent."""
-    recipe = Recipe(op, owner.refusal(op))
+    recipe = Recipe(op, refusal(op))
     if recipe.refused is not None:
         _recipes[call_key] = recipe
         return recipe

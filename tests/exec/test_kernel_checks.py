@@ -16,8 +16,8 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec.safety.kernel_checks import KernelArgumentRefused, checked_arguments
-from gridgraph.exec.worker.ops import resolve
 from gridgraph.schedule.plan import Slot
+from gridgraph.trace.allowlist import resolve
 
 LONG, INT = torch.long, torch.int32
 

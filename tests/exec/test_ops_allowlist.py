@@ -8,8 +8,16 @@ import torch
 
 import gridgraph as gg
 from gridgraph.errors import RecordError
-from gridgraph.exec.worker.ops import OpRefused, RandomState, ViewOutOfBounds, check_view, resolve
-from gridgraph.trace.allowlist import ALLOWED, CATEGORIES, REFUSED, UNINITIALIZED, category
+from gridgraph.exec.worker.ops import RandomState, ViewOutOfBounds, check_view
+from gridgraph.trace.allowlist import (
+    ALLOWED,
+    CATEGORIES,
+    REFUSED,
+    UNINITIALIZED,
+    OpRefused,
+    category,
+    resolve,
+)
 
 aten = torch.ops.aten
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import re
 import threading
 import time
 import uuid
@@ -48,12 +47,11 @@ from gridgraph.exec import resend, wire
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
-from gridgraph.exec.worker.ops import OpRefused, resolve
 from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
-from gridgraph.trace.graph import Graph, Node, op_name
+from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
@@ -190,11 +188,6 @@ class Client:
         for vid in node.outputs:
             self.graph.values.pop(vid, None)
             self.failed.pop(vid, None)
-
-    def refusal(self, op: torch._ops.OpOverload) -> str | None:
-        """Why workers would not run `op` (the allowlist in ops.py, or a layout other than
-        strided), or None when they run it."""
-        return _refusal(op)
 
     def location_of(self, vid: int) -> str | None:
         value = self.graph.values.get(vid)
@@ -722,11 +715,6 @@ class Client:
         self.transport.close()
 
 
-# Ops that make or take sparse, mkldnn or nested tensors: workers hold, compute and send
-# dense strided tensors only (the wire format carries nothing else).
-_OTHER_LAYOUTS = re.compile(r"^aten::(\w*sparse\w*|to_mkldnn|\w*nested\w*)(\.|$)")
-
-
 def _freed_nothing(reply: dict) -> bool:
     """Whether the request `reply` answers was refused by a session that goes on, so that
     its frees must go again (one whose session ended or was lost: its worker freed all)."""
@@ -734,18 +722,6 @@ def _freed_nothing(reply: dict) -> bool:
         return False
     error = reply["error"]  # (a map: `_on_reply` saw to it)
     return bool(error.get("refused")) and error.get("code") not in SESSION_GONE
-
-
-@functools.cache
-def _refusal(op: torch._ops.OpOverload) -> str | None:
-    name = op_name(op)
-    if _OTHER_LAYOUTS.match(name):
-        return "only dense (strided) tensors are supported"
-    try:
-        resolve(name)
-    except OpRefused as e:
-        return str(e)
-    return None
 
 
 def _dense(meta: TensorMeta) -> bool:

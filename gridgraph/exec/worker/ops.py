@@ -16,7 +16,6 @@ makes them repeatable without touching anyone else's random state.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -26,14 +25,8 @@ import torch
 
 from gridgraph.exec.safety import kernel_checks
 from gridgraph.exec.wire import MAX_DIMS
-from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED
+from gridgraph.trace.allowlist import UNINITIALIZED, OpRefused
 from gridgraph.trace.meta import NEAREST_UPSAMPLINGS, run_on_meta
-
-_NAME = re.compile(r"^aten::([a-z_][a-z0-9_]*)(?:\.([a-zA-Z0-9_]+))?$")
-
-
-class OpRefused(ValueError):
-    """An op name a worker will not run."""
 
 
 class ViewOutOfBounds(OpRefused):
@@ -88,21 +81,6 @@ def _check_layout(t: torch.Tensor, sizes: Any, strides: Any, offset: int) -> Non
             f"a view of sizes {sizes}, strides {strides} and offset {offset} needs {need} "
             f"bytes of a storage of {have}"
         )
-
-
-@cache
-def resolve(name: str) -> torch._ops.OpOverload:
-    """The ATen overload called `name`, if it is on the allowlist."""
-    m = _NAME.match(name) if isinstance(name, str) else None
-    if m is None:
-        raise OpRefused(f"{name!r} is not an ATen op name")
-    base, overload = m.group(1), m.group(2) or "default"
-    canonical = f"aten::{base}" + ("" if overload == "default" else f".{overload}")
-    if canonical not in ALLOWED:
-        raise OpRefused(
-            f"{canonical} is not on the workers' op allowlist (gridgraph/trace/allowlist.py)"
-        )
-    return getattr(getattr(torch.ops.aten, base), overload)
 
 
 _RESIZE = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)

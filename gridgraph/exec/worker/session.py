@@ -90,16 +90,15 @@ from gridgraph.exec.safety.limits import (
 from gridgraph.exec.transport import TrafficCounter
 from gridgraph.exec.worker import intraop
 from gridgraph.exec.worker.ops import (
-    OpRefused,
     RandomState,
     check_bounds,
     check_view,
     resizes,
-    resolve,
     runner,
 )
 from gridgraph.exec.worker.store import ObjectStore
 from gridgraph.schedule.plan import Param, Slot, call_refs
+from gridgraph.trace.allowlist import OpRefused, resolve
 
 
 class Host(Protocol):
