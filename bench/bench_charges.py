@@ -83,7 +83,7 @@ def measure(label: str) -> dict:
     """In this (child) process: charge the case as a worker does, then run it."""
     from gridgraph.exec.safety.limits import WORK_PER_SECOND, data_dependent_footprint
     from gridgraph.exec.worker.ops import RandomState
-    from gridgraph.exec.worker.session import CompiledCall
+    from gridgraph.exec.worker.prepare import CompiledCall
 
     cap = 8 << 30
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

@@ -26,7 +26,7 @@ from bench_trace import step as wide_step
 from torch import nn
 
 import gridgraph as gg
-from gridgraph.exec.worker import session as worker_session
+from gridgraph.exec.worker import run as worker_run
 
 
 class RunTimer:
@@ -35,7 +35,7 @@ class RunTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.ops = 0
-        self._execute = worker_session.Run.execute
+        self._execute = worker_run.Run.execute
 
     def __enter__(self) -> RunTimer:
         timer, execute = self, self._execute
@@ -47,11 +47,11 @@ class RunTimer:
             timer.ops += sum(step[0] == "call" for step in program.steps)
             return out
 
-        worker_session.Run.execute = timed
+        worker_run.Run.execute = timed
         return self
 
     def __exit__(self, *exc: object) -> None:
-        worker_session.Run.execute = self._execute
+        worker_run.Run.execute = self._execute
 
 
 def chain(x):

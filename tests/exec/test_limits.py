@@ -31,9 +31,10 @@ from gridgraph.exec.safety.limits import (
     format_size,
     parse_size,
 )
-from gridgraph.exec.worker import ops, session
+from gridgraph.exec.worker import ops, prepare
 from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
+from gridgraph.trace.allowlist import resolve
 
 GiB = 1 << 30
 
@@ -697,13 +698,13 @@ def test_a_parameter_listing_tensors_is_worked_out_on_meta_tensors_and_by_its_la
     # the layouts of the tensors it lists: by repr, lists of 32x32 and of 300x300 zeros
     # looked alike (torch summarises both), so the small run's footprint passed the big.
     devices = []
-    footprint = session.op_footprint
+    footprint = prepare.op_footprint
 
     def spy(op, args, kwargs):
         devices.extend(t.device.type for a in args if isinstance(a, list) for t in a)
         return footprint(op, args, kwargs)
 
-    monkeypatch.setattr(session, "op_footprint", spy)
+    monkeypatch.setattr(prepare, "op_footprint", spy)
     block_diag = [hostile.call("aten::block_diag.default", [Param(0)], [0]), ["return", 0]]
     with gg.local_grid(1, limits=Limits(max_client_memory=1 << 20)) as grid:
         peer = Peer(grid)
@@ -897,7 +898,7 @@ def test_a_nearest_upsampling_of_an_empty_batch_is_checked_by_the_cpu_kernels_ru
                 assert not reply["ok"] and want in reply["error"]["message"], reply
             else:
                 assert reply["ok"], reply
-                assert reply["returns"][0][1].shape == want == ops.resolve(op)(x, size).shape
+                assert reply["returns"][0][1].shape == want == resolve(op)(x, size).shape
 
 
 def test_a_nearest_upsampling_of_an_empty_batch_is_made_without_its_kernel():

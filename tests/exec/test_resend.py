@@ -27,7 +27,7 @@ from gridgraph.exec.grid import Grid
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
-from gridgraph.exec.worker import session
+from gridgraph.exec.worker import run, session
 from gridgraph.exec.worker import worker as worker_module
 from gridgraph.exec.worker.worker import Worker
 
@@ -151,7 +151,7 @@ def test_a_replayed_step_whose_transfer_was_lost_asks_for_it_after_its_learned_w
 ):
     # (in-process: an executor, forked from a forkserver started before the patch, would
     # keep the default of 0.5 s; its recv frame carries the learned wait, see test_executor)
-    monkeypatch.setattr(session, "RESEND_AFTER", LONG)
+    monkeypatch.setattr(run, "RESEND_AFTER", LONG)
     monkeypatch.setattr(worker_module, "RESEND_AFTER", LONG)
     bus = LossyBus("transfer")
     with lossy_grid(bus) as grid:
@@ -369,5 +369,5 @@ def test_a_refused_batch_of_frees_goes_again_with_the_next_request():
         time.sleep(2.2)  # (for the bye, at the end)
 
     # (an executor names the wait in its recv frame: a taken-over one may name any number)
-    assert session.resend_wait(0.0) == FLOOR
-    assert session.resend_wait(1e9) == session.RESEND_AFTER
+    assert run.resend_wait(0.0) == FLOOR
+    assert run.resend_wait(1e9) == run.RESEND_AFTER

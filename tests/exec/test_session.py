@@ -16,7 +16,7 @@ from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec.safety.limits import Limits
-from gridgraph.exec.worker import session, worker
+from gridgraph.exec.worker import prepare, session, worker
 from gridgraph.schedule.plan import Param, Slot
 
 
@@ -52,7 +52,7 @@ def test_a_cached_program_replays_with_its_ops_resolved_once(local_grid, monkeyp
     def no_lookup(name: str) -> None:
         raise AssertionError(f"{name} looked up again during a replay")
 
-    monkeypatch.setattr(session, "resolve", no_lookup)
+    monkeypatch.setattr(prepare, "resolve", no_lookup)
     for run, p in ((2, -1.5), (3, 4.0)):  # new floats, the cached program
         reply = peer.request("w0", _run(7, run, [1, 12, 13, 14, 15], [[0, p]], None))
         assert reply["ok"], reply
@@ -156,8 +156,8 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
     # w0's mul reads what w1 sends, so its footprint is known only when the tensor comes:
     # worked out on meta once per argument layout, then remembered, and still checked.
     meta_runs = []
-    footprint = session.op_footprint
-    monkeypatch.setattr(session, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
+    footprint = prepare.op_footprint
+    monkeypatch.setattr(prepare, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
     square = [["recv", [0], "w1"], hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]),
               ["return", 1]]  # fmt: skip
     with gg.local_grid(2, limits=Limits(max_client_memory=1 << 20)) as grid:
@@ -191,11 +191,11 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
 def test_a_call_keeps_the_footprints_it_used_last_not_the_first_it_met(monkeypatch):
     # A step that sees one layout every other run, and others in between, keeps that one.
     meta_runs = []
-    footprint = session.op_footprint
-    monkeypatch.setattr(session, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
-    call = session.CompiledCall(hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]))
+    footprint = prepare.op_footprint
+    monkeypatch.setattr(prepare, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
+    call = prepare.CompiledCall(hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]))
     usual = torch.randn(4)
-    others = [torch.randn(5 + i) for i in range(session.FOOTPRINTS_KEPT)]
+    others = [torch.randn(5 + i) for i in range(prepare.FOOTPRINTS_KEPT)]
 
     def check(x: torch.Tensor) -> tuple:
         return call.footprint([x, x], {})
@@ -208,7 +208,7 @@ def test_a_call_keeps_the_footprints_it_used_last_not_the_first_it_met(monkeypat
     runs = len(meta_runs)
     assert check(usual) == first
     assert len(meta_runs) == runs  # no meta run: still remembered
-    assert meta_runs and runs == session.FOOTPRINTS_KEPT + 1
+    assert meta_runs and runs == prepare.FOOTPRINTS_KEPT + 1
 
 
 def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one():

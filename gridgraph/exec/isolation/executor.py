@@ -52,7 +52,7 @@ size of the message in the sender's shared file):
                                                 identity `peer` sent), or
                                                 ["recv-error", "upstream" | "timeout", text];
                                                 ask_after: when to ask `peer` to send it
-                                                again (session.resend_wait bounds it)
+                                                again (run.resend_wait bounds it)
     (`peer`: the identity the run's client named for that worker, session.py)
     ["exit"]
 """
@@ -80,7 +80,8 @@ from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
 from gridgraph.exec.protocol import SESSION_LOST, is_name
 from gridgraph.exec.safety.limits import GiB, LimitExceeded, Limits
-from gridgraph.exec.worker.session import Session, UpstreamFailed, answer, transfer_key
+from gridgraph.exec.worker.run import UpstreamFailed, answer, transfer_key
+from gridgraph.exec.worker.session import Session
 
 if TYPE_CHECKING:
     from gridgraph.exec.worker.worker import Worker
@@ -504,7 +505,7 @@ class _Channel:
 
 
 class _ExecutorHost:
-    """What a session's programs see of the worker, from inside the executor (session.Host)."""
+    """What a session's programs see of the worker, from inside the executor (run.Host)."""
 
     def __init__(self, channel: _Channel, name: str, limits: Limits, recv_timeout: float):
         self.channel, self.name = channel, name

@@ -105,10 +105,8 @@ from gridgraph.exec.safety.limits import (
     format_size,
 )
 from gridgraph.exec.transport import Transport
-from gridgraph.exec.worker.session import (
+from gridgraph.exec.worker.run import (
     RESEND_AFTER,
-    RequestError,
-    Session,
     UpstreamFailed,
     answer,
     encode_reply,
@@ -117,6 +115,7 @@ from gridgraph.exec.worker.session import (
     resend_wait,
     transfer_key,
 )
+from gridgraph.exec.worker.session import RequestError, Session
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -650,7 +649,7 @@ class Worker:
     # --- transfers between workers (called by Run) -----------------------------------------
 
     def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
-        """Send a transfer message to worker `dst`, identity `peer` (see session.Host)."""
+        """Send a transfer message to worker `dst`, identity `peer` (see run.Host)."""
         self.publish_transfer(session, dst, peer, transfer_key(msg), wire.encode(msg))
 
     def publish_transfer(
@@ -686,7 +685,7 @@ class Worker:
     ) -> bytes:
         """The transfer `key` from the worker it names, sent by identity `peer`, as received;
         give up once that worker or the client is gone (or at `deadline`), asking `peer` for
-        a resend (ipfs) after `ask_after` s (as `session.resend_wait` bounds it), then after
+        a resend (ipfs) after `ask_after` s (as `run.resend_wait` bounds it), then after
         twice RESEND_AFTER s, twice as long each time."""
         run, vid, src = key
         wait = RESEND_AFTER  # (after the first ask, which may come sooner: exec/resend.py)
