@@ -28,7 +28,7 @@ import sys
 import threading
 from contextlib import contextmanager
 from functools import cache
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -37,15 +37,14 @@ from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, infer
 
-if TYPE_CHECKING:
-    from gridgraph.trace.pointer import RemoteTensor
-
 aten = torch.ops.aten
 _LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
 
 
 class Owner(Protocol):
-    """What recording needs from the runtime that owns the pointers (the client)."""
+    """What recording needs from the runtime that owns the pointers (the client). A pointer
+    is a pointer.RemoteTensor; recording takes its type as an argument (`record`), so this
+    module never imports pointer.py, which calls it."""
 
     graph: Graph
 
@@ -55,9 +54,9 @@ class Owner(Protocol):
 
     def fetch(self, value_id: int) -> torch.Tensor: ...
 
-    def make_pointer(self, value_id: int) -> RemoteTensor: ...
+    def make_pointer(self, value_id: int) -> torch.Tensor: ...
 
-    def rebind(self, pointer: RemoteTensor, value_id: int) -> None: ...
+    def rebind(self, pointer: torch.Tensor, value_id: int) -> None: ...
 
     def discard(self, node: Node) -> None: ...
 

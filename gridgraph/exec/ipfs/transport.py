@@ -72,7 +72,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgpack
 
@@ -82,10 +82,16 @@ from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
 from gridgraph.exec.transport import Handler, Transport
 
-if TYPE_CHECKING:
-    from gridgraph.exec.ipfs.discovery import Directory
-
 log = logging.getLogger(__name__)
+
+
+class WorkerNames(Protocol):
+    """Which endpoint owns a worker name (discovery.Directory, which a client sets)."""
+
+    def identity(self, name: str, wait: float = 0.0) -> str | None:
+        """The identity of worker `name`, waiting up to `wait` s to hear of it; None if
+        unknown."""
+
 
 ENVELOPE_VERSION = 1
 INLINE_MAX = 256 * 1024
@@ -445,7 +451,7 @@ class GridTransport(IpfsTransport):
         super().__init__(api, **kwargs)
         self.channel = secure.Channel(self.peer)
         self.identity = self.channel.identity
-        self.directory: Directory | None = None
+        self.directory: WorkerNames | None = None
         self.allow = None if allow is None else frozenset(allow) | {self.peer}
         self.progress = progress
         self.resolve_wait = resolve_wait  # how long to wait to hear of a worker named in a topic

@@ -72,7 +72,7 @@ import time
 from functools import cache
 from multiprocessing import forkserver, reduction, resource_tracker
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -83,10 +83,28 @@ from gridgraph.exec.safety.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.worker.run import UpstreamFailed, answer, transfer_key
 from gridgraph.exec.worker.session import Session
 
-if TYPE_CHECKING:
-    from gridgraph.exec.worker.worker import Worker
-
 log = logging.getLogger("gridgraph.executor")
+
+
+class NetworkSide(Protocol):
+    """What an executor's supervisor needs of the worker's network process (worker.py):
+    its name and limits, and sending and awaiting transfers as encoded messages."""
+
+    name: str
+    limits: Limits
+
+    def publish_transfer(
+        self, session: Session, dst: str, peer: str, run_value: tuple[int, int], payload: bytes
+    ) -> None:
+        """Send a transfer to worker `dst` as identity `peer`, and keep it for a resend."""
+
+    def wait_transfer(
+        self, session: Session, key: tuple[int, int, str], peer: str, deadline: float,
+        ask_after: float,
+    ) -> bytes:  # fmt: skip
+        """The transfer `key` sent by identity `peer`, as received, waiting until `deadline`
+        and asking for a resend after `ask_after` s."""
+
 
 KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is killed
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
@@ -171,7 +189,7 @@ class Executor:
         # (before its first request: it has no threads yet, nor anything of the client's)
         self.cgroups = cgroups.confine(self.process.pid, memory_limit(limits))
 
-    def request(self, payload: bytes, held: int, worker: Worker, session: Session) -> bytes:
+    def request(self, payload: bytes, held: int, worker: NetworkSide, session: Session) -> bytes:
         """Serve one request in the executor: its reply. Raises ExecutorLost."""
         if self.lost is not None:
             raise ExecutorLost(self.lost)
@@ -207,7 +225,7 @@ class Executor:
         finally:
             _WATCHDOG.forget(self.process)
 
-    def _recv(self, worker: Worker, session: Session, frame: list, kill_at: float) -> None:
+    def _recv(self, worker: NetworkSide, session: Session, frame: list, kill_at: float) -> None:
         """Answer a `recv` frame (checked by `_recv_frame`) with the transfer it waits for."""
         _, run, value, src, peer, seconds, ask_after = frame
         key = (int(run), int(value), str(src))
