@@ -4,6 +4,7 @@ made only for type checking count too), and rooms a newcomer can read."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import grimp
@@ -39,3 +40,12 @@ def test_an_import_cycle_would_be_found():
 def test_exec_keeps_its_modules_in_rooms():
     direct = sorted(p.name for p in (PACKAGE / "exec").glob("*.py"))
     assert len(direct) <= MAX_EXEC_MODULES, direct
+
+
+def test_the_rooms_picture_is_drawn_from_todays_code():
+    script = PACKAGE.parent / "scripts" / "draw_rooms.py"
+    spec = importlib.util.spec_from_file_location("draw_rooms", script)
+    draw_rooms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(draw_rooms)
+    kept = (PACKAGE.parent / "docs" / "rooms.dot").read_text()
+    assert kept == draw_rooms.dot_source(), "run: python scripts/draw_rooms.py"
