@@ -10,9 +10,8 @@ it wrote, share one. Storages give the ordering that data edges alone miss: a re
 storage comes after the last write to it, and a write after every earlier read. These edges
 are what make mutation mean in the deferred graph what it means in eager torch.
 
-`Graph.dag` is a networkx DiGraph over node ids; an edge's `values` attribute lists the
-value ids flowing along it (empty for a pure ordering edge). The graph holds only nodes not
-yet run; `Graph.values` keeps the metadata of every value the client knows.
+The graph holds only nodes not yet run (`pending`, with their predecessors in `preds` and the
+values along each edge); `Graph.values` keeps the metadata of every value the client knows.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import networkx as nx
 import torch
 
 from gridgraph.trace.meta import TensorMeta
@@ -111,8 +109,7 @@ def _collect_refs(obj: Any, out: list[int]) -> None:
 class Graph:
     """Pending recorded nodes plus the metadata of every known value.
 
-    Recording appends to plain dicts (it must cost microseconds); `dag` builds the networkx
-    view that passes and debugging tools use.
+    Recording appends to plain dicts: it must cost microseconds.
     """
 
     def __init__(self) -> None:
@@ -139,19 +136,6 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self.pending)
-
-    @property
-    def dag(self) -> nx.DiGraph:
-        """The pending nodes as a networkx DiGraph (node attr `node`, edge attr `values`)."""
-        g = nx.DiGraph()
-        g.add_nodes_from((nid, {"node": n}) for nid, n in self.pending.items())
-        g.add_edges_from(
-            (p, nid, {"values": vals})
-            for nid, ps in self.preds.items()
-            for p, vals in ps.items()
-            if p in self.pending
-        )
-        return g
 
     def add_value(
         self,
