@@ -13,11 +13,8 @@ import queue
 import threading
 import tracemalloc
 
-import hostile
 import pytest
 import torch
-from hostile import run
-from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import wire
@@ -34,6 +31,9 @@ from gridgraph.exec.safety.limits import (
 from gridgraph.exec.worker import ops, session
 from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
+from tests.exec import hostile
+from tests.exec.hostile import run
+from tests.exec.local_peer import Peer
 
 GiB = 1 << 30
 
