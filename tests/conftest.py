@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 import gridgraph as gg
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "exec"))
-
 try:  # the Kubo fixtures: real daemons and worker processes, started once per session
-    from ipfs_fixtures import ipfs_grid, ipfs_workers, kubo_nodes, outsider_node  # noqa: F401
+    from tests.exec.ipfs.fixtures import ipfs_grid, ipfs_workers, kubo_nodes  # noqa: F401
 except ImportError:  # pragma: no cover - only while the IPFS fixtures are missing
     ipfs_grid = None
 

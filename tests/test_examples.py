@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-import multinode_demo  # noqa: E402
+from examples import multinode_demo
 
 
 def test_the_multinode_demo_fits_as_torch_does_and_no_shard_leaves_its_worker(grid):

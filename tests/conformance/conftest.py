@@ -7,8 +7,9 @@ $GG_CONFORMANCE_MODES (comma-separated) narrow it while developing; CI runs ever
 from __future__ import annotations
 
 import pytest
-import report
-from opinfo_sweep import Selection
+
+from tests.conformance import report
+from tests.conformance.opinfo_sweep import Selection
 
 _swept: list = []  # (outcomes, wall seconds) once the sweep has run
 
@@ -24,5 +25,5 @@ def sweep_outcomes():
 
 def pytest_terminal_summary(terminalreporter) -> None:
     for outcomes, wall in _swept:
-        terminalreporter.write_sep("-", "OpInfo conformance (tests/conformance/report.py)")
+        terminalreporter.write_sep("-", "OpInfo conformance (python -m tests.conformance.report)")
         terminalreporter.write_line(report.table(outcomes, wall))

@@ -42,12 +42,12 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from refused import REFUSAL_ERRORS, REFUSED
 from torch.testing._comparison import default_tolerances
 from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
 from torch.testing._internal.opinfo.core import DecorateInfo
 
 import gridgraph as gg
+from tests.conformance.refused import REFUSAL_ERRORS, REFUSED
 
 DTYPES = {
     "float32": torch.float32,

@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-from opinfo_cases import DTYPES, MODES, Outcome
+from tests.conformance.opinfo_cases import DTYPES, MODES, Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +60,7 @@ class Selection:
 
 def plan(selection: Selection) -> list[tuple[str, list[tuple[str, str]]]]:
     """The work: each selected entry with its (dtype, mode) units, in op_db order."""
-    from opinfo_cases import load_entries, units_of
+    from tests.conformance.opinfo_cases import load_entries, units_of
 
     pattern = re.compile(selection.entries)
     work = []
@@ -233,7 +233,8 @@ def serve() -> None:
     sys.stdout = sys.stderr
 
     import torch
-    from opinfo_cases import load_entries, run_unit
+
+    from tests.conformance.opinfo_cases import load_entries, run_unit
 
     torch.set_num_threads(1)
     entries = load_entries()
@@ -255,4 +256,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
         serve()
     else:
-        sys.exit("run report.py to sweep; this file is the sweep's child process (--serve)")
+        sys.exit(
+            "run `python -m tests.conformance.report` to sweep;"
+            " this file is the sweep's child process (--serve)"
+        )

@@ -1,7 +1,7 @@
 """The conformance table and the failure list; run as a script to sweep and print them.
 
-    .venv/bin/python tests/conformance/report.py                   # everything (minutes)
-    .venv/bin/python tests/conformance/report.py --entries '^nn\\.' --dtypes float32 \\
+    .venv/bin/python -m tests.conformance.report                   # everything (minutes)
+    .venv/bin/python -m tests.conformance.report --entries '^nn\\.' --dtypes float32 \\
         --modes eager,traced                                         # a subset
 
 It prints one row per dtype and mode (OpInfo entries that support the dtype, how many pass,
@@ -19,8 +19,8 @@ import re
 import sys
 import time
 
-from opinfo_cases import DTYPES, MODES, Outcome
-from opinfo_sweep import ROOT, Selection, plan, sweep
+from tests.conformance.opinfo_cases import DTYPES, MODES, Outcome
+from tests.conformance.opinfo_sweep import ROOT, Selection, plan, sweep
 
 FAILURES_FILE = os.path.join(ROOT, "conformance_failures.txt")
 

@@ -8,10 +8,11 @@ never a wrong value, a crash or a hang, and a refusal only for the documented li
 from __future__ import annotations
 
 import pytest
-from opinfo_cases import load_entries
-from opinfo_sweep import Selection, plan
-from refused import REFUSED
-from report import FAILURES_FILE, target
+
+from tests.conformance.opinfo_cases import load_entries
+from tests.conformance.opinfo_sweep import Selection, plan
+from tests.conformance.refused import REFUSED
+from tests.conformance.report import FAILURES_FILE, target
 
 WORK = plan(Selection.from_env())
 ROWS = sorted({unit for _, units in WORK for unit in units}, key=lambda u: (u[1], u[0]))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import harness_ops
-import opinfo_cases
 import pytest
-from opinfo_cases import run_unit
-from opinfo_sweep import sweep
+
+from tests.conformance import harness_ops, opinfo_cases
+from tests.conformance.opinfo_cases import run_unit
+from tests.conformance.opinfo_sweep import sweep
 
 OPS = {opinfo_cases.entry_id(op): op for op in harness_ops.EXTRA_OPS}
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hostile
-
 import gridgraph as gg
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.schedule.plan import Slot
+from tests.exec import hostile
 
 
 def Peer(grid: gg.Grid, name: str = "mallory", session: str = "s") -> hostile.Peer:

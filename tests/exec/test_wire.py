@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-from hostile import frame, tensor_ref
 
 from gridgraph.exec import wire
+from tests.exec.hostile import frame, tensor_ref
 
 
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()), ids=str)

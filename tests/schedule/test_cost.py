@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graphs import WORKERS, Builder, random_dag
 
 from gridgraph.schedule.cost import CostModel, bytes_moved, estimate_flops, finish_time
 from gridgraph.schedule.place import naive_placement, place
 from gridgraph.schedule.plan import split
+from tests.schedule.graphs import WORKERS, Builder, random_dag
 
 aten = torch.ops.aten
 # Round numbers: 1 GFLOP/s, 1 MB/s, 1 ms per message.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from graphs import WORKERS, chain, random_dag
 
 from gridgraph.schedule.cost import CostModel, bytes_moved, finish_time
 from gridgraph.schedule.exact import exact_placement, fastest_within
+from tests.schedule.graphs import WORKERS, chain, random_dag
 
 MODELS = {"local": CostModel.local(), "pubsub": CostModel.pubsub()}
 

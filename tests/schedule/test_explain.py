@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-from graphs import WORKERS, two_tower
 
 import gridgraph as gg
 from gridgraph.schedule import explain
@@ -14,6 +13,7 @@ from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.explain import explain_plan, render
 from gridgraph.schedule.place import naive_placement, place
 from gridgraph.schedule.plan import split
+from tests.schedule.graphs import WORKERS, two_tower
 
 
 @pytest.fixture

@@ -7,13 +7,21 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from graphs import WORKERS, Builder, chain, far_weight_chain, random_dag, residual_cnn, two_tower
 from torch import nn
 
 import gridgraph as gg
 from gridgraph.schedule.cost import CostModel, bytes_moved, finish_time
 from gridgraph.schedule.exact import exact_placement, free_units
 from gridgraph.schedule.place import PlacementError, alias_units, naive_placement, place
+from tests.schedule.graphs import (
+    WORKERS,
+    Builder,
+    chain,
+    far_weight_chain,
+    random_dag,
+    residual_cnn,
+    two_tower,
+)
 
 aten = torch.ops.aten
 MODELS = {"local": CostModel.local(), "pubsub": CostModel.pubsub()}

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-from graphs import WORKERS, Builder, random_dag
 
 import gridgraph as gg
 from gridgraph.schedule.cost import CostModel, Timeline
 from gridgraph.schedule.place import naive_placement, place
 from gridgraph.schedule.plan import split
+from tests.schedule.graphs import WORKERS, Builder, random_dag
 
 aten = torch.ops.aten
 

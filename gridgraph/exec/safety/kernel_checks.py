@@ -5,7 +5,7 @@ check their arguments; the ones listed here index memory with what they are give
 because in torch those arguments come from their own forward op (an index tensor, a saved
 mean, a log_alpha) or a module that sized them. Crafted, they read or wrote past their
 tensors: a crash of the worker, heap corruption, or another client's bytes in a result
-(found by adversarial review, each with a repro; see tests/exec/test_attacks.py).
+(found by adversarial review, each with a repro; see tests/exec/worker/test_attacks.py).
 
 Policy, per op (`CHECKS`): the integer tensors an op indexes with are made contiguous (an
 expanded one was read as if it were) and checked to lie within what they index; tensors a

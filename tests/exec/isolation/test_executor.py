@@ -17,7 +17,6 @@ import time
 import msgpack
 import pytest
 import torch
-from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
 from gridgraph.exec import wire
@@ -25,6 +24,7 @@ from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import MAX_NAME
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker.session import Session
+from tests.exec.local_peer import Peer, add_one_in_place, second_client
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,8 @@ import queue
 import threading
 import tracemalloc
 
-import hostile
 import pytest
 import torch
-from hostile import run
-from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec import wire
@@ -35,6 +32,9 @@ from gridgraph.exec.worker import ops, prepare
 from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
 from gridgraph.schedule.plan import Param, Slot
 from gridgraph.trace.allowlist import resolve
+from tests.exec import hostile
+from tests.exec.hostile import run
+from tests.exec.local_peer import Peer
 
 GiB = 1 << 30
 

@@ -1,12 +1,13 @@
 """Real Kubo daemons and gridgraph workers for the `ipfs`-marked tests.
 
-Fixtures (tests/conftest.py imports them, so every test module can use them):
+Fixtures (tests/conftest.py imports them, so every test module can use them; `outsider_node`
+is imported by tests/exec/conftest.py, for the tests under tests/exec/):
 - `kubo_nodes` (session): three connected loopback Kubo nodes in a temporary directory,
   stopped by their recorded pids at the end;
 - `ipfs_workers` (session): one `python -m gridgraph worker` process per node, named w0, w1,
   w2 (w<i> on node i), logging to `<tmp>/workers/w<i>.log`; stopped by pid at the end;
 - `outsider_node` (module): a fourth node connected to the three, with no worker (for spies
-  and attackers; import it from here);
+  and attackers);
 - `Tap` (wraps a transport to drop or repeat messages) and `Raw` (a peer sending hand-made
   requests) for tests of lost and hostile messages;
 - `ipfs_grid` (function): `gg.connect(ipfs=<node 0's API>, min_workers=3)`, closed after the

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hostile import Peer, run
 
 import gridgraph as gg
 from gridgraph.exec.safety.limits import Limits
+from tests.exec.hostile import Peer, run
 
 MiB = 1 << 20
 LOCAL_LIMITS = dict(
@@ -98,9 +98,8 @@ def ipfs_arena(request: pytest.FixtureRequest) -> Iterator[Arena]:
     """The Kubo workers w0, w1, w2 (worker processes with the default limits); the victim is
     `ipfs_grid`'s client on node 0, the attacker on a Kubo node of its own; other hand-made
     clients (`new_peer`) on node 0, beside the victim."""
-    from ipfs_fixtures import sealed_endpoint
-
     from gridgraph.exec.protocol import worker_topic
+    from tests.exec.ipfs.fixtures import sealed_endpoint
 
     attacker = request.getfixturevalue("outsider_node")  # no worker, in no trust list
     nodes = request.getfixturevalue("kubo_nodes")

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import threading
 
-import hostile
 import pytest
 import torch
-from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker import prepare, session, worker
 from gridgraph.schedule.plan import Param, Slot
+from tests.exec import hostile
+from tests.exec.local_peer import Peer
 
 
 def _run(plan: int, run: int, slots: list[int], params: list, program: list | None) -> dict:

@@ -9,15 +9,15 @@ Honest arguments (those torch's own forward ops make) are covered by the conform
 
 from __future__ import annotations
 
-import hostile
 import pytest
 import torch
-from local_peer import Peer
 
 import gridgraph as gg
 from gridgraph.exec.safety.kernel_checks import KernelArgumentRefused, checked_arguments
 from gridgraph.schedule.plan import Slot
 from gridgraph.trace.allowlist import resolve
+from tests.exec import hostile
+from tests.exec.local_peer import Peer
 
 LONG, INT = torch.long, torch.int32
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.errors import GridError
@@ -34,6 +33,7 @@ from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, sealed_blocks, sealed_inline
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_topic, worker_topic
+from tests.exec.ipfs.fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_all
 
 pytestmark = pytest.mark.ipfs
 

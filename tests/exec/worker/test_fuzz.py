@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import torch
-from arena import Arena, arena_fixture, local_arena  # noqa: F401
-from hostile import call, run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gridgraph.exec import wire
 from gridgraph.schedule.plan import Param, Slot
+from tests.exec.hostile import call, run
+from tests.exec.worker.arena import Arena, local_arena
 
 LOCAL_MESSAGES = 10_000
 IPFS_MESSAGES = 1_000

@@ -1,8 +1,8 @@
 """Grids over real Kubo daemons and worker processes: discovery, exactness, lost, repeated and
 hostile messages, killed workers, leases.
 
-The shared fixtures (tests/conftest.py imports them from ipfs_fixtures.py): three Kubo nodes,
-workers w0, w1, w2 (one per node) and `ipfs_grid`, a client on node 0. Tests that kill a
+The shared fixtures (tests/conftest.py imports them from tests/exec/ipfs/fixtures.py): three
+Kubo nodes, workers w0, w1, w2 (one per node) and `ipfs_grid`, a client on node 0. Tests that kill a
 worker or need a short lease start their own worker process, so the shared ones survive.
 """
 
@@ -20,7 +20,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from ipfs_fixtures import Raw, Tap, WorkerProcess, start_workers, stop_all
 
 import gridgraph as gg
 from gridgraph.cli import main
@@ -32,6 +31,7 @@ from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.protocol import worker_topic
 from gridgraph.schedule.plan import Slot
+from tests.exec.ipfs.fixtures import Raw, Tap, WorkerProcess, start_workers, stop_all
 
 pytestmark = pytest.mark.ipfs
 

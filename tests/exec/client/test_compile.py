@@ -239,7 +239,7 @@ def test_control_flow_on_remote_values_is_refused(local_grid):
         if p.sum() > 0:  # a Python branch on a remote value
             p.add_(1)
 
-    with pytest.raises(gg.GridError, match=r"test_replay.py:\d+.*cannot branch"):
+    with pytest.raises(gg.GridError, match=r"test_compile.py:\d+.*cannot branch"):
         step()
 
     @gg.compile
@@ -256,7 +256,7 @@ def test_changing_python_state_float_is_refused(local_grid):
     x = torch.randn(8, 4).send(local_grid.workers[1])
     step = gg.compile(lambda x: train_step(model, opt, x, torch.zeros(8, 1)))
     step(x), step(x)  # the first makes Adam's state; the second and third are alike
-    stale = r"aten::\w+.* recorded at .*test_replay.py:\d+ .*not an argument"
+    stale = r"aten::\w+.* recorded at .*test_compile.py:\d+ .*not an argument"
     with pytest.raises(gg.GridError, match=stale):
         step(x)
     assert step.replays == 0
@@ -296,7 +296,7 @@ def test_remote_error_during_replay_names_the_line(local_grid):
     with pytest.raises(gg.RemoteError) as err:
         step(torch.tensor([0, 7]).send(w0))
     assert step.recordings == 2  # the failed call was a replay
-    assert "test_replay.py" in err.value.where and err.value.op.startswith("aten::index_select")
+    assert "test_compile.py" in err.value.where and err.value.op.startswith("aten::index_select")
     assert torch.equal(step(torch.tensor([2]).send(w0)).get(), torch.ones(1))
 
 
@@ -314,7 +314,7 @@ def test_wrong_use_is_refused_at_the_call():
 
 
 def test_readme_example_runs(capsys):
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
     section = readme[readme.index("## Compiled steps") :]
     code = section[section.index("```python\n") + 10 : section.index("```\n", 10)]
     exec(compile(code, "README.md", "exec"), {})

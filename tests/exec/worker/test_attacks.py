@@ -19,11 +19,8 @@ import os
 import time
 import uuid
 
-import local_peer
 import pytest
 import torch
-from arena import arena_fixture  # noqa: F401 (fixtures)
-from hostile import Peer, call, frame, run, tensor_ref
 
 import gridgraph as gg
 from gridgraph.exec import wire
@@ -32,6 +29,8 @@ from gridgraph.exec.ipfs.transport import pack_blocks, sealed_blocks
 from gridgraph.exec.protocol import worker_topic
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.schedule.plan import Slot
+from tests.exec import local_peer
+from tests.exec.hostile import Peer, call, frame, run, tensor_ref
 
 
 def missing_cid() -> str:
@@ -276,9 +275,8 @@ def test_envelopes_naming_blocks_nobody_has_stall_no_one(kubo_nodes, outsider_no
     # other large payload back for minutes, and a client's too through its ack topic (its
     # identity shows in every message it sends). A worker of its own, so that a stall harms
     # no other test.
-    from ipfs_fixtures import sealed_endpoint, start_workers, stop_all
-
     from gridgraph.exec.ipfs.transport import ACK_PREFIX
+    from tests.exec.ipfs.fixtures import sealed_endpoint, start_workers, stop_all
 
     workers = start_workers([(kubo_nodes[1], "stalled")], tmp_path / "workers")
     attacker = sealed_endpoint(outsider_node.api)
@@ -320,7 +318,7 @@ def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
 ):
     # Its blocks were removed only once a payload opened: a peer naming blocks of its own
     # under a wrong key left them in the worker's node, 768 MiB in 20 s, for good.
-    from ipfs_fixtures import sealed_endpoint
+    from tests.exec.ipfs.fixtures import sealed_endpoint
 
     attacker = sealed_endpoint(outsider_node.api)
     worker_node, theirs = Kubo(kubo_nodes[1].api), ipfs_workers[1].name
@@ -393,7 +391,7 @@ def test_one_kubo_node_has_one_peers_limits_whatever_keys_it_makes(ipfs_workers,
     # victim's ops went from 0.1 s to 65 s; the worker grew by 230 MiB). Here a second key
     # of the same node opens as many sessions as a peer may hold: the node's first session,
     # its oldest and idle, makes room.
-    from ipfs_fixtures import sealed_endpoint
+    from tests.exec.ipfs.fixtures import sealed_endpoint
 
     target, limit = ipfs_workers[2].name, Limits().sessions_per_peer
     first = Peer(sealed_endpoint(outsider_node.api), f"first-{uuid.uuid4().hex[:8]}", 1.0)

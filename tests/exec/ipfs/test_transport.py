@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from ipfs_fixtures import Inbox
 
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.discovery import Directory
@@ -25,6 +24,7 @@ from gridgraph.exec.ipfs.transport import (
     pack_blocks,
 )
 from gridgraph.exec.protocol import worker_topic
+from tests.exec.ipfs.fixtures import Inbox
 
 pytestmark = pytest.mark.ipfs
 

@@ -12,10 +12,8 @@ import threading
 import time
 import uuid
 
-import hostile
 import pytest
 import torch
-from local_peer import Peer, add_one_in_place, second_client
 
 import gridgraph as gg
 from gridgraph.exec import wire
@@ -24,6 +22,8 @@ from gridgraph.exec.grid import Grid
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.worker.worker import Worker
 from gridgraph.schedule.plan import Slot
+from tests.exec import hostile
+from tests.exec.local_peer import Peer, add_one_in_place, second_client
 
 # --- exactly once ----------------------------------------------------------------------------
 
