@@ -15,7 +15,8 @@ wrong about what the CPU kernel does, `run_on_meta` (which workers' checks use t
 the CPU kernel.
 
 A layout is (shape, stride, storage offset): `extent` is how far one reaches into its storage
-(the recorder's and the worker's bounds checks both ask it, and `TensorMeta.on_meta`).
+(the recorder's and the worker's bounds checks both ask it), and `meta_tensor` makes a meta
+tensor of one (the recorder's on the smallest storage, the worker's on its tensor's own).
 """
 
 from __future__ import annotations
@@ -52,9 +53,7 @@ class TensorMeta(NamedTuple):
     def on_meta(self) -> torch.Tensor:
         """A meta tensor with exactly this layout (strides and storage offset included), on
         the smallest storage that holds it."""
-        base = torch.empty(extent(self.shape, self.stride, self.offset), dtype=self.dtype,
-                           device="meta")  # fmt: skip
-        return self.mark(base.as_strided(self.shape, self.stride, self.offset))
+        return self.mark(meta_tensor(self.shape, self.stride, self.offset, self.dtype))
 
     def mark(self, t: torch.Tensor) -> torch.Tensor:
         """`t` with this metadata's conjugate and negation bits set."""
@@ -71,6 +70,21 @@ def extent(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
     if 0 in shape:
         return offset
     return offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+
+
+def meta_tensor(
+    shape: Sequence[int],
+    stride: Sequence[int],
+    offset: int,
+    dtype: torch.dtype,
+    storage: int | None = None,
+) -> torch.Tensor:
+    """A meta tensor of this layout on a storage of `storage` elements (by default its
+    `extent`: the fewest that hold it)."""
+    if storage is None:
+        storage = extent(shape, stride, offset)
+    base = torch.empty(storage, dtype=dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
 
 
 def as_sent(t: torch.Tensor, copy: bool = False) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch
 
 from gridgraph.exec.safety.arguments import argument_reader, stored_magnitude, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
-from gridgraph.trace.meta import run_on_meta
+from gridgraph.trace.meta import meta_tensor, run_on_meta
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -232,10 +232,10 @@ class RateLimiter:
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with `t`'s shape, strides, storage offset and dtype."""
-    storage = torch.empty(t.untyped_storage().nbytes() // t.dtype.itemsize or 0,
-                          dtype=t.dtype, device="meta")  # fmt: skip
-    return storage.as_strided(t.shape, t.stride(), t.storage_offset())
+    """A meta tensor with `t`'s shape, strides, storage offset and dtype, on a storage of
+    `t`'s storage's size (what a resize grows, and a view may reach, is measured from it)."""
+    elements = t.untyped_storage().nbytes() // t.dtype.itemsize
+    return meta_tensor(t.shape, t.stride(), t.storage_offset(), t.dtype, elements)
 
 
 # What a meta kernel says when the meta device cannot tell, rather than that the arguments are
