@@ -131,22 +131,13 @@ def estimate_flops(node: Node, values: Mapping[int, Value]) -> float:
     name = _base(node.op)
     if name in _MATMUL or "convolution" in name:
         return _product_flops(node, name, values)
-    if name in _FREE:
+    if name in _FREE or makes_views(node, values):  # (views: no work)
         return 0.0
-    biggest, read = 0, set()
-    for vid in node.inputs():
+    biggest = 0
+    for vid in (*node.inputs(), *node.outputs):
         v = values.get(vid)
         if v is not None:
-            read.add(v.storage)
             biggest = max(biggest, math.prod(v.meta.shape))
-    view = not node.writes
-    for vid in node.outputs:
-        v = values.get(vid)
-        if v is not None:
-            view = view and v.storage in read
-            biggest = max(biggest, math.prod(v.meta.shape))
-    if view and node.outputs:  # every output shares its storage with an input: no work
-        return 0.0
     return float(_HEAVY.get(name, 1) * biggest)
 
 
