@@ -33,6 +33,7 @@ import torch
 
 from gridgraph.schedule.plan import makes_views
 from gridgraph.trace.graph import Const, Node, Ref, Value
+from gridgraph.trace.work import convolution_macs, inner_dim
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class CostModel:
 
 
 # --- FLOPs of one op ------------------------------------------------------------------------
+# Products' and convolutions' multiply-adds are counted by trace/work.py, as a worker's time
+# bound counts them (exec/safety/limits.op_work); what ops cost beyond that is placement's own.
 
 # Matrix products, and the argument index of their left matrix.
 _MATMUL = {"mm": 0, "bmm": 0, "matmul": 0, "mv": 0, "dot": 0, "vdot": 0, "linear": 0,
@@ -128,22 +131,13 @@ def estimate_flops(node: Node, values: Mapping[int, Value]) -> float:
     name = _base(node.op)
     if name in _MATMUL or "convolution" in name:
         return _product_flops(node, name, values)
-    if name in _FREE:
+    if name in _FREE or makes_views(node, values):  # (views: no work)
         return 0.0
-    biggest, read = 0, set()
-    for vid in node.inputs():
+    biggest = 0
+    for vid in (*node.inputs(), *node.outputs):
         v = values.get(vid)
         if v is not None:
-            read.add(v.storage)
             biggest = max(biggest, math.prod(v.meta.shape))
-    view = not node.writes
-    for vid in node.outputs:
-        v = values.get(vid)
-        if v is not None:
-            view = view and v.storage in read
-            biggest = max(biggest, math.prod(v.meta.shape))
-    if view and node.outputs:  # every output shares its storage with an input: no work
-        return 0.0
     return float(_HEAVY.get(name, 1) * biggest)
 
 
@@ -155,8 +149,7 @@ def _product_flops(node: Node, name: str, values: Mapping[int, Value]) -> float:
     if name in _MATMUL:
         if len(ins) <= _MATMUL[name] or not outs:
             return 0.0
-        left = ins[_MATMUL[name]]
-        k = left[-1] if left else 1
+        k = inner_dim(node.op._schema.name, ins)
         return 2.0 * math.prod(outs[0]) * k + (math.prod(outs[0]) if _MATMUL[name] else 0)
     backward = name.endswith("backward")
     if len(ins) < 2 + backward:
@@ -164,8 +157,7 @@ def _product_flops(node: Node, name: str, values: Mapping[int, Value]) -> float:
     x, w = (ins[1], ins[2]) if backward else (ins[0], ins[1])
     y = ins[0] if backward else (outs[0] if outs else x)
     transposed = _flag(node.args, 7 if backward else 6)
-    per_point = 2.0 * (w[1] if len(w) > 1 else 1) * math.prod(w[2:])
-    forward = per_point * math.prod(x if transposed else y)
+    forward = 2.0 * convolution_macs(x, w, y, transposed)
     if not backward:
         return forward
     mask = node.args[10] if len(node.args) > 10 else [True, True, True]

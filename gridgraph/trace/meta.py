@@ -13,10 +13,15 @@ wants its indices on the CPU): a meta kernel that raises is never the last word,
 runs the op and either gives the result or raises torch's own error. Where a meta kernel is
 wrong about what the CPU kernel does, `run_on_meta` (which workers' checks use too) follows
 the CPU kernel.
+
+A layout is (shape, stride, storage offset): `extent` is how far one reaches into its storage
+(the recorder's and the worker's bounds checks both ask it), and `meta_tensor` makes a meta
+tensor of one (the recorder's on the smallest storage, the worker's on its tensor's own).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -46,12 +51,9 @@ class TensorMeta(NamedTuple):
         return n * self.dtype.itemsize
 
     def on_meta(self) -> torch.Tensor:
-        """A meta tensor with exactly this layout (strides and storage offset included)."""
-        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride) if s > 0)
-        if 0 in self.shape:
-            extent = 0
-        base = torch.empty(self.offset + extent, dtype=self.dtype, device="meta")
-        return self.mark(base.as_strided(self.shape, self.stride, self.offset))
+        """A meta tensor with exactly this layout (strides and storage offset included), on
+        the smallest storage that holds it."""
+        return self.mark(meta_tensor(self.shape, self.stride, self.offset, self.dtype))
 
     def mark(self, t: torch.Tensor) -> torch.Tensor:
         """`t` with this metadata's conjugate and negation bits set."""
@@ -60,6 +62,29 @@ class TensorMeta(NamedTuple):
         if self.bits & 2:
             torch._C._set_neg(t, True)
         return t
+
+
+def extent(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
+    """Elements of storage a layout reaches: one past its last element (its offset when it
+    addresses none)."""
+    if 0 in shape:
+        return offset
+    return offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+
+
+def meta_tensor(
+    shape: Sequence[int],
+    stride: Sequence[int],
+    offset: int,
+    dtype: torch.dtype,
+    storage: int | None = None,
+) -> torch.Tensor:
+    """A meta tensor of this layout on a storage of `storage` elements (by default its
+    `extent`: the fewest that hold it)."""
+    if storage is None:
+        storage = extent(shape, stride, offset)
+    base = torch.empty(storage, dtype=dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
 
 
 def as_sent(t: torch.Tensor, copy: bool = False) -> torch.Tensor:

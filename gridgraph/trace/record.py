@@ -35,7 +35,7 @@ import torch
 from gridgraph.errors import PlacementError, RecordError
 from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
-from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, infer
+from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, extent, infer
 
 aten = torch.ops.aten
 _LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
@@ -644,22 +644,19 @@ def _check_inside_storage(graph: Graph, vid: int, args: tuple, kwargs: dict) -> 
     size, stride = list(args[1]), list(args[2])
     if 0 in size or len(size) != len(stride):
         return
-    extent = max(_extent(v.meta) for v in graph.values.values() if v.storage == value.storage)
-    need = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1
-    if need > extent:
+    have = max(
+        extent(v.meta.shape, v.meta.stride, v.meta.offset)
+        for v in graph.values.values()
+        if v.storage == value.storage
+    )
+    need = extent(size, stride, offset)
+    if need > have:
         itemsize = value.meta.dtype.itemsize
         raise RuntimeError(
             f"setStorage: sizes {size}, strides {stride}, storage offset {offset}, and itemsize "
             f"{itemsize} requiring a storage size of {need * itemsize} are out of bounds for "
-            f"storage of size {extent * itemsize}"
+            f"storage of size {have * itemsize}"
         )
-
-
-def _extent(meta: TensorMeta) -> int:
-    """Elements of storage a layout reaches: one past its last element."""
-    if 0 in meta.shape:
-        return meta.offset
-    return meta.offset + sum((n - 1) * s for n, s in zip(meta.shape, meta.stride)) + 1
 
 
 def _writes(t_args: tuple, t_kwargs: dict, alias: Aliasing) -> tuple[tuple[Any, int], ...]:

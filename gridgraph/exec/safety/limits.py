@@ -47,7 +47,8 @@ import torch
 
 from gridgraph.exec.safety.arguments import argument_reader, stored_magnitude, tensors_in
 from gridgraph.trace.allowlist import CATEGORIES
-from gridgraph.trace.meta import run_on_meta
+from gridgraph.trace.meta import meta_tensor, run_on_meta
+from gridgraph.trace.work import convolution_macs, inner_dim
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -232,10 +233,10 @@ class RateLimiter:
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
-    """A meta tensor with `t`'s shape, strides, storage offset and dtype."""
-    storage = torch.empty(t.untyped_storage().nbytes() // t.dtype.itemsize or 0,
-                          dtype=t.dtype, device="meta")  # fmt: skip
-    return storage.as_strided(t.shape, t.stride(), t.storage_offset())
+    """A meta tensor with `t`'s shape, strides, storage offset and dtype, on a storage of
+    `t`'s storage's size (what a resize grows, and a view may reach, is measured from it)."""
+    elements = t.untyped_storage().nbytes() // t.dtype.itemsize
+    return meta_tensor(t.shape, t.stride(), t.storage_offset(), t.dtype, elements)
 
 
 # What a meta kernel says when the meta device cannot tell, rather than that the arguments are
@@ -501,17 +502,14 @@ def _blocked_elements(t: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def _convolution_macs(input: torch.Tensor, weight: torch.Tensor, outputs: list, arg: Any) -> int:
-    """Multiply-adds of a convolution: every kernel element at every position, per sample.
-    (Positions: the output's; a transposed convolution's are its input's.)"""
+    """Multiply-adds of a convolution (`work.convolution_macs`) or of its backward: over its
+    output, or the gradient of it; 0 where a tensor it needs is missing."""
     output = arg("grad_output")
     if output is None and outputs:
         output = outputs[0]
-    if not all(isinstance(t, torch.Tensor) for t in (input, weight, output)) or weight.dim() < 3:
+    if not all(isinstance(t, torch.Tensor) for t in (input, weight, output)):
         return 0
-    spatial = weight.dim() - 2
-    samples = input.shape[0] if input.dim() == weight.dim() else 1
-    over = input if arg("transposed") else output
-    return samples * math.prod(over.shape[-spatial:]) * weight.numel()
+    return convolution_macs(input.shape, weight.shape, output.shape, arg("transposed"))
 
 
 _BROADCAST_LOSSES = frozenset({"aten::mse_loss", "aten::huber_loss", "aten::smooth_l1_loss",
@@ -569,7 +567,8 @@ def op_work(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], ar
     if not inputs:
         return work
     if name in _PRODUCTS and outputs and inputs[-1].dim() >= 1:
-        return max(work, 2.0 * outputs[0].numel() * _inner_dim(name, inputs))
+        inner = inner_dim(name, [t.shape for t in inputs])
+        return max(work, 2.0 * outputs[0].numel() * inner)
     if name in _CONVOLUTIONS:
         times = 4.0 if name == "aten::convolution_backward" else 2.0
         return max(work, times * _convolution_macs(arg("input"), arg("weight"), outputs, arg))
@@ -668,11 +667,3 @@ def _largest_degree(n: Any) -> float:
         n = stored_magnitude(n)
     n = abs(float(n))
     return 0.0 if math.isnan(n) else min(n, 2.0**63)
-
-
-def _inner_dim(name: str, inputs: list[torch.Tensor]) -> int:
-    if name == "aten::linear":
-        return inputs[0].shape[-1] if inputs[0].dim() else 1
-    if name in ("aten::addmm", "aten::baddbmm", "aten::addbmm") and len(inputs) >= 3:
-        return inputs[-1].shape[-2] if inputs[-1].dim() >= 2 else 1
-    return inputs[-1].shape[-2] if inputs[-1].dim() >= 2 else inputs[-1].shape[0]

@@ -26,7 +26,7 @@ import torch
 from gridgraph.exec.safety import kernel_checks
 from gridgraph.exec.wire import MAX_DIMS
 from gridgraph.trace.allowlist import UNINITIALIZED, OpRefused
-from gridgraph.trace.meta import NEAREST_UPSAMPLINGS, run_on_meta
+from gridgraph.trace.meta import NEAREST_UPSAMPLINGS, extent, run_on_meta
 
 
 class ViewOutOfBounds(OpRefused):
@@ -73,8 +73,7 @@ def _check_layout(t: torch.Tensor, sizes: Any, strides: Any, offset: int) -> Non
         )
     if len(sizes) != len(strides) or 0 in sizes:
         return  # torch refuses the first itself; the second addresses no element
-    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
-    need = (last + 1) * t.element_size()
+    need = extent(sizes, strides, offset) * t.element_size()
     have = t.untyped_storage().nbytes()
     if need > have:
         raise ViewOutOfBounds(
