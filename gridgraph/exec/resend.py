@@ -1,29 +1,25 @@
 """When to ask again for an answer a lossy transport may have dropped: waits learned per step.
 
-State: per key (for the client waiting on its replies: a plan, or a kind of request to a
-worker; for a worker waiting on a transfer: a recv step of a program), the smoothed time the
-answer took and its mean deviation, as TCP estimates a round trip (RFC 6298: gains 1/8 and
-1/4).
+State (`AnswerTimes`, KEYS_KEPT keys): per key (for a client, a plan or a kind of request to a
+worker; for a worker, a recv step of a program), the smoothed time the answer took and its
+mean deviation, as TCP estimates a round trip (RFC 6298: gains 1/8 and 1/4).
 
-Policy: the first ask comes after twice the smoothed time plus four deviations, at least
-FLOOR s, and never later than the caller's default (the client's `retry_after`, a worker's
-RESEND_AFTER); a key with no history waits the default. Only that first ask comes early:
-later ones follow the default's schedule (the default, then twice as long each time). So a
-slow moment (a collection, a loaded machine) costs one message more at most: for a transfer,
-one of the 4 resends its sender allows; for a request whose early copy crosses its reply, one
-of the 4 answers again a worker allows per request and one of the client's requests a second
-there. A client asks early only for requests of at most EARLY_MAX bytes: a larger one costs
-its worker a fetch and a decode each time. Every answer is a sample, resent or not: the one
-that came after a resend is late by the wait, which widens the next waits a little until the
-samples settle again (no loss goes unmeasured, and a step that really got slower is learned,
-not resent every time).
-
-Why: Kubo drops 0.5-3% of PubSub messages (a node validating two messages from one origin at
-once keeps the later). A replayed multinode step of 13 ms has about ten messages, so about
-one step in twelve lost one, and with a fixed wait of 0.5 s the mean step was four times the
-median. Asking again costs little: a repeated request id never runs twice, and a repeated
-transfer request is answered from the sender's kept copy (4 times at most, and within the
-asking peer's request rate).
+Policy:
+- the first ask comes after twice the smoothed time plus four deviations, at least FLOOR s,
+  and never later than the caller's default (the client's `retry_after`, a worker's
+  RESEND_AFTER); a key with no history waits the default. Only the first ask comes early;
+  later ones follow the default's schedule (the default, then twice as long each time), so a
+  slow moment costs one message more at most: one of the 4 resends a transfer's sender
+  allows, or of the 4 answers again a worker allows a request (and a request of its peer's
+  rate);
+- a client asks early only for requests of at most EARLY_MAX bytes: a larger one costs its
+  worker a fetch and a decode each time;
+- every answer is a sample, resent or not: one late by a resend's wait widens the next waits
+  a little until they settle, so no loss goes unmeasured, and a step that really got slower
+  is learned, not resent every time.
+Kubo drops 0.5-3% of PubSub messages (a node validating two from one origin at once keeps the
+later), and asking again costs little: a repeated request id never runs twice, and a repeated
+transfer request is answered from the sender's kept copy, within the asker's request rate.
 """
 
 from __future__ import annotations

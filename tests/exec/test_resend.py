@@ -6,6 +6,10 @@ waits a minute long: the step still ends within seconds, with plain torch's valu
 the client (a lost run message) or the receiving worker (a lost transfer) asked again after
 the wait its earlier runs taught it. A batch of frees, sent unawaited, is not asked again:
 its ids go with the next request to its worker once it is refused or long unanswered.
+
+Why learned waits: Kubo drops 0.5-3% of PubSub messages. A replayed multinode step of 13 ms
+has about ten messages, so about one step in twelve lost one, and with a fixed wait of 0.5 s
+the mean step was four times the median.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """The client side of a grid over Kubo: `connect()`, and the keep-alive that holds its lease.
 
-A client finds workers through the discovery topic (discovery.py), pins the endpoint and
-process instance behind each name (its messages for that name, and the identities its runs
-name for it, stay those of the worker it connected to), and pings (a `stats` request, which
-workers leave out of the traffic counts) each worker at a third of the lease it announces,
-and never more often than every MIN_PING_INTERVAL s, so an idle but open grid keeps its
-tensors; a client silent past the lease has them freed. (A worker announcing a lease of a
-millisecond made its clients flood every worker they use with pings; each worker's lease
-now sets its own pings only.) A worker that announces itself but does not answer is left
-out of a grid asked for no names in particular: anyone can announce a name.
-PubSub loses a message now and then: clients resend requests after `retry_after` (0.5 s,
-backing off), or once sooner, after a wait learned from the earlier answers to the same
-plan or kind of request (exec/resend.py); every resent message carries its original id, so
-nothing runs twice.
+State: the grid's transport, its discovery `Directory` (`trust`, pinned workers) and a
+`_KeepAlive` thread with a ping interval per worker. Policy:
+- workers are found on the discovery topic (discovery.py), and the endpoint and process
+  instance behind each name pinned: its messages, and the identities its runs name for it,
+  stay those of the worker the client connected to;
+- one that announces itself but does not answer a ping within PING_TIMEOUT s is left out of
+  a grid asked for no names in particular (anyone can announce a name); a named one must;
+- each worker is pinged (a `stats` request, which workers leave out of the traffic counts) at
+  a third of the lease it announces, at most every MIN_PING_INTERVAL s: an idle grid keeps
+  its tensors, and each worker's lease sets its own pings only;
+- PubSub loses a message now and then: requests are resent after `retry_after` (0.5 s,
+  backing off), or once sooner, after a wait learned from earlier answers to the same plan
+  or kind of request (exec/resend.py); a resent message keeps its id, so nothing runs twice.
 
 Example:
     # shell: gridgraph ipfs up --nodes 3 --root /tmp/swarm; one `gridgraph worker` per node

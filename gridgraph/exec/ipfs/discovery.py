@@ -1,38 +1,24 @@
 """Worker discovery on the grid's discovery topic: who is alive, and which peer owns a name.
 
-Discovery: every worker publishes a heartbeat on `DISCOVERY_TOPIC` every `HEARTBEAT` seconds,
-`{"kind": "announce", "name", "instance", "lease", "seq"}` (at once, too, when a client
-publishes `{"kind": "discover"}` there), and `{"kind": "leave", ...}` when it stops cleanly.
-A `Directory` follows that topic and keeps, per worker name, the peer id
-that announced it (signed by libp2p, so trustworthy), the process instance and when it was
-last heard. Policy:
-- a worker is alive while heard within `DEAD_AFTER` seconds and not gone (`leave`); a client
-  waiting on a dead worker raises `WorkerLost` (Client polls `alive` every 0.25 s), so a
-  killed worker is noticed in DEAD_AFTER + ~1 s;
-- a name belongs to the first peer that announces it; another peer claiming it while the
-  owner is alive is ignored (and logged). Once the owner has been silent for DEAD_AFTER,
-  anyone may claim it, so two directories can disagree on who `w` is;
-- what a directory keeps is bounded, since any peer may announce anything: at most
-  SEEN_KEPT names (past half of them, NAMES_PER_PEER per node; past all, the silent ones
-  go), instance ids of at most MAX_INSTANCE characters, and claims it refuses logged once
-  per name and node, or once per node for untrusted ones and those past a node's share
-  (WARNED_KEPT of them);
-- a client pins the worker it connected to (its identity and process instance): a worker
-  restarted under the same name has lost its tensors, and a peer that took the name later is
-  not that worker, so to that client either is lost, and nothing of the client's is sealed
-  for it.
-
-Only a client's directory says who a worker is, and only to that client: its runs name the
-identity of each worker they involve, and workers send and take transfers between those
-identities only (worker.py). A worker's own directory serves its rival check at start and
-says whether another worker still answers; a peer that owns a name there gets nothing.
-
-Identities: on a GridTransport a sender is "<peer ID>~<public key>" (gridgraph.exec.ipfs.secure):
-the directory keeps it whole, so messages for worker `w` are sealed for the key `w`
-announced, and compares names' owners by peer ID (a worker restarted on its node keeps its
-name). Trust: a Directory given `trust` (`load_trust`: names -> peer IDs, or just peer IDs)
-accepts only announcements from those peers (for those names), so no other peer can join
-the grid as a worker this client sends data to.
+Workers announce `{"kind": "announce", "name", "instance", "lease", "seq"}` on DISCOVERY_TOPIC
+every HEARTBEAT s (and at once when a client publishes `{"kind": "discover"}`), and send
+`{"kind": "leave", ...}` when they stop cleanly. A `Directory` keeps per name a `Seen`: the
+announcing identity ("<peer ID>~<public key>", whole: messages for `w` are sealed for the key
+`w` announced), its process instance, when last heard and its lease; and the names pinned.
+Policy:
+- alive: heard within `dead_after` s and not gone (`leave`): a client waiting on a dead worker
+  raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s;
+- a name is the first announcing peer ID's (a worker restarted on its node keeps it); other
+  claims are ignored (logged) while it is alive, and taken once it is silent DEAD_AFTER s, so
+  two directories can disagree on who `w` is. With `trust` (`load_trust`) only those peers,
+  for those names, are heard: no other peer joins this client's grid as a worker;
+- bounded, since any peer may announce anything: SEEN_KEPT names, past half of them
+  NAMES_PER_PEER per node (`_room_for`); instances of MAX_INSTANCE characters; WARNED_KEPT
+  claims logged, once per name and node (once per node if untrusted or past its share);
+- a client pins the identity and instance it connected to: a restart under the name, or a
+  later owner of it, is a lost worker to that client, and nothing is sealed for it.
+Only a client's directory says who a worker is, and only to that client (its runs name each
+worker's identity, worker.py); a worker's own serves its rival check and `alive`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """A small client for the Kubo (go-ipfs) RPC API: only the calls gridgraph needs.
 
+State: one kept HTTP/1.1 connection per calling thread (`_Connection`); each `Subscription`
+holds a streaming connection of its own.
+
 Policy:
-- Unary calls are plain HTTP/1.1 POSTs on a kept connection, one per calling thread
-  (`_Connection`): the request goes out in one send, the reply is read from a buffer.
-  Not ipfshttpclient's `Client`: `ipfshttpclient.connect()` refuses daemons newer than 0.8,
-  and its pubsub helpers send raw topics and data as a URL argument, which current Kubo
-  rejects. Nor its `ClientSync`: it opens a new requests session and connection per call
-  (~2 ms a publish here). Nor `http.client`, which parses every reply's headers through the
-  email package: a publish took 1.2 ms with it, 0.8 ms without.
-  A call on a kept connection that the daemon had closed meanwhile is retried once on a new
-  one (Kubo's calls used here are idempotent, and receivers drop a repeated message).
+- A unary call is a plain HTTP/1.1 POST on the thread's kept connection (`_Connection` says
+  why not ipfshttpclient's). One on a kept connection the daemon had closed is retried once
+  on a new one (the calls used here are idempotent, and receivers drop a repeated message).
 - Binary RPC arguments (pubsub topics) are multibase base64url ('u' prefix, no padding), as
   Kubo requires; binary bodies (pubsub data, blocks) go as a multipart file.
-- Blocks are capped at `MAX_BLOCK_SIZE` (1 MiB) on our side, so every Kubo release (older
-  ones stop at 1 MiB, newer at 2 MiB) accepts them and bitswap moves them.
+- Blocks are capped at MAX_BLOCK_SIZE (1 MiB) here, so every Kubo release (older ones stop at
+  1 MiB, newer at 2 MiB) accepts them and bitswap moves them.
 - A publish refused with "validation ignored" (two publishes through one node at once, from
-  any threads or processes) never went out, and is sent again.
+  any threads or processes) never went out, and is sent again (`pubsub_pub`).
 - Every failure is raised as `KuboError`, naming the call and the node.
 
 Example:
@@ -235,8 +232,7 @@ class Kubo:
         One refused with "validation ignored" (Kubo was still validating another publish
         through this node, from any thread or process) never went out: it is sent again,
         PUBLISH_TRIES times at most, after a wait that doubles up to 64 ms, drawn at random
-        around that so that publishers refused together do not try again together (with
-        fixed waits, 4 threads publishing at once had one publish refused 8 times running)."""
+        around that so that publishers refused together do not try again together."""
         for attempt in range(PUBLISH_TRIES):
             try:
                 self._call("/pubsub/pub", [mb_encode(topic.encode())], data=data, decoder="none")
@@ -292,7 +288,12 @@ LINE_MAX = 1 << 16  # a status, header or chunk-size line longer than this is no
 
 
 class _Connection:
-    """One kept HTTP/1.1 connection to the RPC API: a thread's own (see the policy above)."""
+    """One kept HTTP/1.1 connection to the RPC API: a thread's own. A request goes out in one
+    send, and its reply is read from a buffer. Not ipfshttpclient's `Client`: it refuses
+    daemons newer than 0.8, and its pubsub helpers send raw topics and data as a URL argument,
+    which current Kubo rejects. Nor its `ClientSync`, which opens a new requests session and
+    connection per call, nor `http.client`, which parses every reply's headers through the
+    email package: both cost more per publish."""
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.sock = socket.create_connection((host, port), timeout)

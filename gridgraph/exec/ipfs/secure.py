@@ -1,39 +1,26 @@
 """End-to-end encryption and authentication of gridgraph messages: all the crypto in one place.
 
-Threat model: every peer of the swarm may subscribe to any topic, fetch any block whose CID it
-learns, publish anything on any topic, and replay what it saw. Kubo signs each PubSub message
-with the publishing node's libp2p key, so the `from` peer ID of a message is authentic, but
-the contents are readable by all (libp2p encrypts hops, not ends). This module makes the
-contents readable and forgeable only by the two endpoints of a message.
+Threat model: any peer of the swarm may subscribe to any topic, fetch any block whose CID it
+learns, publish anything on any topic and replay what it saw. Kubo signs each PubSub message
+with the publishing node's libp2p key, so its `from` peer ID is authentic, but all can read
+it (libp2p encrypts hops, not ends). Here only a message's two endpoints can read or forge it.
 
-State, per endpoint (one `Channel`: a client session, or a worker process):
-    keys        a static X25519 key pair, fresh for every Channel (never stored on disk)
-    identity    "<libp2p peer ID>~<X25519 public key, base64url>": what receivers see as the
-                sender; the peer ID part is vouched for by Kubo's signature on every message,
-                the key part by the AEAD below (only its owner can seal under it)
-    counter     one message counter for all this endpoint's messages: the AEAD nonce
-    windows     per sender identity, the counters seen lately (replays are dropped)
+State, per endpoint (a `Channel`: a client session, or a worker process): a static X25519 key
+pair made for it and never stored; its `identity`, "<peer ID>~<public key>" (the peer ID
+vouched for by Kubo's signature, the key by the AEAD: only its owner seals under it); one
+message counter, the nonce; per sender (SENDERS_KEPT latest) a derived key and a ReplayWindow.
 
-Key agreement: the sender's and the receiver's static X25519 keys give a shared secret; HKDF-
-SHA256 over it, both public keys, both peer IDs and the direction gives the key for messages
-from one to the other (so the two directions never share a key, and a key is bound to the
-two peer identities Kubo signs for: a message sealed for `P~K` and re-published by another
-peer fails to open). A client session's key pair is made for that session, a worker's for
-its process, so every session has its own pairwise keys. Workers announce their public key in
-their heartbeat (`announcement`), signed by their node; a client's key rides in the clear
-header of every message it seals.
-
-Sealed message: msgpack [VERSION, sender public key, counter, ciphertext]. AES-256-GCM (with
-AES-NI it runs at several GiB/s here; bench/bench_crypto.py), nonce = the counter, associated
-data = version, both public keys, the counter and the PubSub topic, so a message cannot be
-moved to another topic or receiver. Nothing else is in the clear.
-
-Large payloads travel as blocks (ipfs/transport.py): each payload gets a fresh random key
-(`new_blob_key`); `seal_pieces` encrypts its pieces under it, each piece's index as nonce,
-and that key travels inside the sealed message that names the blocks.
-
-Every failure to open (wrong key, truncated or tampered ciphertext, a replayed counter,
-garbage) raises `Rejected`, naming what was wrong; callers log it and drop the message.
+Policy:
+- AES-256-GCM under a key per direction and pair of endpoints, bound to both peer IDs
+  (`Channel._key`), with both public keys, the counter and the topic as associated data: a
+  message opens only for its receiver, on its topic, as sent by its sender's node;
+- in the clear: [VERSION, sender public key, counter, ciphertext] and nothing else; topic names
+  travel hashed (`blind_topic`); workers announce their key in their signed heartbeat;
+- a large payload's blocks are sealed under a fresh key of its own (`seal_pieces`), which
+  travels inside the sealed message that names them;
+- a counter seen before, or REPLAY_WINDOW below the sender's highest, is a replay;
+- every failure to open (wrong key, truncated or tampered ciphertext, a replayed counter,
+  garbage) raises `Rejected`, naming what was wrong; callers log it and drop the message.
 """
 
 from __future__ import annotations
@@ -160,7 +147,12 @@ class Channel:
         self._windows: OrderedDict[str, ReplayWindow] = OrderedDict()
 
     def _key(self, sender: str, receiver: str) -> AESGCM:
-        """The AEAD for messages from `sender` to `receiver` (one of them is this endpoint)."""
+        """The AEAD for messages from `sender` to `receiver` (one of them is this endpoint):
+        HKDF-SHA256 over the two static keys' X25519 shared secret, both public keys, both
+        peer IDs and the direction. So the two directions never share a key, and a key is
+        bound to the two peer identities Kubo signs for: a message sealed for `P~K` and
+        re-published by another peer fails to open. A client session's key pair is its own,
+        a worker's its process's: every session has its own pairwise keys."""
         with self._lock:
             aead = self._keys.get((sender, receiver))
             if aead is not None:
@@ -186,7 +178,11 @@ class Channel:
         return aead
 
     def seal(self, receiver: str, topic: str, body: bytes) -> bytes:
-        """`body` encrypted and authenticated for endpoint `receiver` on PubSub `topic`."""
+        """`body` encrypted and authenticated for endpoint `receiver` on PubSub `topic`:
+        msgpack [VERSION, our public key, counter, AES-256-GCM ciphertext], the counter as
+        nonce, and the version, both public keys, the counter and the topic as associated
+        data, so it cannot be moved to another topic or receiver (bench/bench_crypto.py
+        measures its speed)."""
         _, receiver_key = split_identity(receiver)
         counter = next(self._counter)
         aad = _associated(self.public, receiver_key, counter, topic)

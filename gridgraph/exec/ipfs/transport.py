@@ -1,64 +1,26 @@
 """`Transport` over one Kubo node: PubSub for messages, raw blocks for large payloads.
 
-Two layers, one class each:
-- `IpfsTransport` moves plaintext (tests of the transport itself, raw benches). Every PubSub
-  message is a msgpack map (the envelope) with a fresh random nonce, so that two publishes of
-  the same payload never look alike:
-  - inline, for payloads up to `INLINE_MAX` bytes: {"v": 1, "n": nonce, "d": payload}
-  - by blocks, for larger ones: {"v": 1, "n": nonce, "b": [[cid, size], ...], "t": total}.
-    The payload is cut into `BLOCK_SIZE` pieces, each stored with `block put`; the receiver
-    fetches them with `block get` (bitswap pulls them from the publisher), checks every size
-    and the total, and hands the joined payload to the handler.
-- `GridTransport` is what gridgraph runs on: every message sealed end to end for the one
-  endpoint that subscribes to its topic (gridgraph.exec.ipfs.secure: X25519 keys bound to the
-  libp2p peer IDs Kubo signs, AES-GCM, replays dropped). What it adds:
-  - receivers: a message is sealed for the identity its publisher gives (`to`), else for
-    the one the topic names: `gridgraph.worker.NAME` for the worker that owns NAME in
-    `directory` (its key came in its signed heartbeat; a client's directory honours its
-    `trust` and pins), `gridgraph.client.IDENTITY.SESSION` and `gridgraph.ack.IDENTITY` for
-    the endpoint named in the topic. Workers send transfers `to` the identity the client named
-    in the run, and need no directory for that; the discovery topic stays readable by all
-    (heartbeats), each message carrying the sender's public key;
-  - topics on the wire are hashes of these names (`secure.blind_topic`), so neither client
-    identities nor sessions appear in the clear; a sealed message shows its sender's public
-    key, a counter and ciphertext, nothing else. Sealed inside: a byte saying what follows,
-    then the payload itself (`sealed_inline`) or its block list (`sealed_blocks`): no
-    envelope map and no nonce, which the counter makes unneeded (one msgpack layer less to
-    pack and unpack on every message, each way);
-  - blocks hold ciphertext only, under a key made for that payload, which travels inside the
-    sealed message naming the blocks. The receiver removes its fetched copies (`block rm`) as
-    soon as it has them and acknowledges on the sender's ack topic; the sender then removes
-    its own. Unacknowledged blocks go when they fall out of the resend cache, and at `close()`;
-  - `allow`: peer IDs whose messages are served (the discovery topic excepted); others are
-    dropped, with a log line, before anything is opened.
-Both limits keep far under go-libp2p-pubsub's 1 MiB message cap (larger messages are dropped
-silently, with no error for the publisher) and gridgraph's 1 MiB block cap.
+`IpfsTransport` moves plaintext (the transport's own tests, raw benches); `GridTransport`, what
+gridgraph runs on, seals every message end to end for one endpoint (secure.py);
+`WorkerTransport` adds a worker's size limit. State: per topic, its handlers, `pubsub/sub`
+stream and reader thread; the block payloads in flight per sending peer; for `GridTransport`,
+the large payloads kept for resending (STORED_KEPT) and ids of those received (DELIVERED_KEPT).
 
-Delivery: one reader thread per subscribed topic reads Kubo's `pubsub/sub` stream. It never
-waits on the network: an inline message goes straight to the topic's handlers (which only
-enqueue), a message naming blocks is fetched, checked and delivered by one of `ASSEMBLERS`
-assemblers, at once or not at all (dropped, logged; its sender resends): at most
-`PENDING_PER_PEER` of them work for one sending peer, each fetches `FETCH_WINDOW` blocks at
-a time on fetch threads of its own, and gives up at the first block not fetched within
-`fetch_timeout` s. So envelopes naming bogus CIDs cost their sender's share of the
-assemblers, and no one else's payload waits behind their blocks (one fetch queue for all
-held every payload up for minutes behind 1,024 missing blocks). Storing blocks to send has
-threads of its own. `GridTransport` removes the blocks of a payload that does not open as
-it does those of one that does (a peer naming blocks of its own under a wrong key filled
-the node's repo), but for a sender on the same node (they are its own copies, named again
-when it resends), and takes no blocks on an ack topic. Kubo hands a node its own
-publications too; they are skipped unless `deliver_own=True`. A malformed or unopenable
-message, a block that cannot be fetched or a failing handler is logged and dropped; a broken
-stream is reopened until `close()`.
-
-Subscriptions take a moment to reach the other peers; `wait_for_peers` waits for that.
-
-Example:
-    transport = IpfsTransport("/ip4/127.0.0.1/tcp/5001")
-    transport.subscribe("results", lambda sender, payload: inbox.put((sender, payload)))
-    transport.wait_for_peers("jobs", 2)
-    transport.publish("jobs", b"...")
-    transport.close()
+Policy:
+- a payload over INLINE_MAX travels as BLOCK_SIZE blocks that its message names: under
+  go-libp2p-pubsub's 1 MiB message cap (it drops larger ones silently) and the block cap;
+- the reader thread never waits on the network (`_receive`): block payloads are fetched by
+  ASSEMBLERS assemblers, at most PENDING_PER_PEER for one sending peer (more are dropped, and
+  resent), FETCH_WINDOW blocks at a time, delivered whole or dropped at the first block not
+  fetched within `fetch_timeout` s: bogus CIDs cost only their sender's share;
+- sealed (`GridTransport`): for `to`, else for the endpoint the topic names; topics on the
+  wire are hashes (but the discovery topic, read by all); blocks hold ciphertext only; a peer
+  not in `allow` is dropped before anything is opened;
+- a receiver removes its copies of a payload's blocks, opened or not (`_release`: but a
+  same-node sender's), and acks; the sender then removes its own, else at eviction or `close()`;
+- a malformed or unopenable message, an unfetched block or a failing handler is logged and
+  dropped; a broken stream is reopened until `close()`; a node's own publications are
+  skipped unless `deliver_own`.
 """
 
 from __future__ import annotations
@@ -164,7 +126,22 @@ def check_envelope(envelope: dict) -> dict:
 
 
 class IpfsTransport(Transport):
-    """An endpoint on a Kubo PubSub network; `identity` is the node's libp2p peer id."""
+    """An endpoint on a Kubo PubSub network; `identity` is the node's libp2p peer id.
+
+    Every PubSub message is a msgpack map (the envelope) with a fresh random nonce, so that
+    two publishes of the same payload never look alike: {"v": 1, "n": nonce, "d": payload}
+    for payloads up to INLINE_MAX bytes, else {"v": 1, "n": nonce, "b": [[cid, size], ...],
+    "t": total}: the payload cut into BLOCK_SIZE pieces, each stored with `block put`, which
+    the receiver fetches with `block get` (bitswap pulls them from the publisher), checking
+    every size and the total, before it hands the joined payload to the handlers.
+
+    Example:
+        transport = IpfsTransport("/ip4/127.0.0.1/tcp/5001")
+        transport.subscribe("results", lambda sender, payload: inbox.put((sender, payload)))
+        transport.wait_for_peers("jobs", 2)
+        transport.publish("jobs", b"...")
+        transport.close()
+    """
 
     def __init__(
         self,
@@ -191,6 +168,7 @@ class IpfsTransport(Transport):
         self._fetcher = ThreadPoolExecutor(
             ASSEMBLERS * FETCH_WINDOW, thread_name_prefix="ipfs-fetch"
         )  # (never a queue: each assembler submits at most FETCH_WINDOW at a time)
+        # (blocks to send are stored on threads of their own)
         self._putter = ThreadPoolExecutor(PUT_PARALLELISM, thread_name_prefix="ipfs-put")
 
     # --- sending ---------------------------------------------------------------------------
@@ -252,7 +230,8 @@ class IpfsTransport(Transport):
         thread.start()
 
     def wait_for_peers(self, topic: str, n: int, timeout: float = 10.0) -> list[str]:
-        """Wait until at least `n` connected peers subscribe to `topic`; return their ids."""
+        """Wait until at least `n` connected peers subscribe to `topic`; return their ids
+        (a subscription takes a moment to reach the other peers)."""
         deadline = time.monotonic() + timeout
         while True:
             peers = self.kubo.pubsub_peers(self.wire_topic(topic))
@@ -308,7 +287,10 @@ class IpfsTransport(Transport):
                 reopened.close()
 
     def _receive(self, topic: str, peer: str, message: bytes) -> None:
-        """On the reader thread: open the message; hand inline data over, fetch blocks later."""
+        """On the reader thread: open the message; hand inline data over (handlers only
+        enqueue), and leave a block payload to an assembler, if its sending peer has fewer
+        than PENDING_PER_PEER in flight and one of the ASSEMBLERS is free; else drop it (its
+        sender resends). No payload waits behind another peer's blocks."""
         try:
             opened = self._open(topic, peer, message)
         except (MalformedEnvelope, secure.Rejected) as error:
@@ -337,7 +319,9 @@ class IpfsTransport(Transport):
             self._done(peer)
 
     def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
-        """On an assembler thread: fetch a payload's blocks, then hand it over."""
+        """On an assembler thread: fetch a payload's blocks (on fetch threads of its own),
+        then hand it over whole; at the first block not fetched within `fetch_timeout` s,
+        drop it (logged)."""
         payload = None
         try:
             bar = Progress(f"receive {topic}", envelope["t"], self.progress)
@@ -431,12 +415,29 @@ class _Stored:
 
 
 class GridTransport(IpfsTransport):
-    """The transport gridgraph runs on: sealed end to end (see the module docstring).
+    """The transport gridgraph runs on: every message sealed end to end for the one
+    endpoint that subscribes to its topic (secure.py: X25519 keys bound to the libp2p peer
+    IDs Kubo signs, AES-GCM, replays dropped).
 
-    `identity` is "<peer ID>~<this endpoint's public key>" (secure.Channel). `directory`
-    (discovery.Directory) says which endpoint owns a worker name; set it before publishing
-    to a worker topic without naming the receiver (`to`). A large payload sent again to the
-    same receiver before it acknowledged the first copy reuses the blocks.
+    `identity` is "<peer ID>~<this endpoint's public key>" (secure.Channel). A message is
+    sealed for the identity its publisher gives (`to`), else for the one its topic names
+    (`recipient`): `gridgraph.worker.NAME` for the endpoint that owns NAME in `directory`
+    (discovery.Directory: its key came in its signed heartbeat; a client's directory honours
+    its `trust` and pins; set it before publishing to a worker topic without `to`),
+    `gridgraph.client.IDENTITY.SESSION` and `gridgraph.ack.IDENTITY` for the endpoint named in
+    the topic. Workers send transfers `to` the identity the client named in the run, and need
+    no directory for that. The discovery topic stays readable by all (heartbeats), each
+    message carrying its sender's public key. Topics on the wire are hashes of these names
+    (`secure.blind_topic`). Sealed inside: a byte saying what follows, then the payload
+    (`sealed_inline`) or its block list (`sealed_blocks`): no envelope map and no nonce,
+    which the counter makes unneeded. Blocks hold ciphertext only, under a key made for that
+    payload, which travels inside the sealed message naming them. The receiver removes its
+    fetched copies (`block rm`) once it has them and acknowledges on the sender's ack topic
+    (`_received`); the sender then removes its own (`_on_ack`). Unacknowledged blocks go when
+    they fall out of the STORED_KEPT payloads kept for resending, and at `close()`. A large
+    payload sent again to the same receiver before it acknowledged the first copy reuses the
+    blocks. `allow`: peer IDs whose messages are served (the discovery topic excepted); others
+    are dropped, with a log line, before anything is opened.
     """
 
     def __init__(
@@ -480,8 +481,7 @@ class GridTransport(IpfsTransport):
 
     def owner(self, identity: str) -> str:
         """The Kubo node whose signature the messages of `identity` carry (its libp2p peer
-        ID): one node makes endpoint keys at will (a review sent 40,000 requests, each from
-        a new key, past every per-peer limit)."""
+        ID): what per-peer limits count, since one node makes endpoint keys at will."""
         return secure.peer_of(identity)
 
     def publish(
@@ -563,13 +563,13 @@ class GridTransport(IpfsTransport):
         return secure.open_pieces(envelope["k"], pieces)
 
     def _release(self, envelope: dict, peer: str, delivered: bool) -> None:
-        """Remove our copies of a payload's blocks, whether it opened or not: kept, a peer
-        naming its own blocks under a wrong key filled this node's repo (768 MiB in 20 s).
-        Only this node's copies go, and only blocks not pinned (`block rm` refuses those):
-        what the node's garbage collector may drop any time. Block CIDs travel sealed, so a
-        peer can name only blocks sent to it, or of its own. One exception: the blocks of a
-        payload not delivered from an endpoint on this same node are its sender's own copies,
-        which it sends again on a resend; they stay until it removes them."""
+        """Remove our copies of a payload's blocks, whether it opened or not: else a peer
+        naming blocks of its own under a wrong key would fill this node's repo. Only this
+        node's copies go, and only blocks not pinned (`block rm` refuses those): what the
+        node's garbage collector may drop any time. Block CIDs travel sealed, so a peer can
+        name only blocks sent to it, or of its own. One exception: the blocks of a payload
+        not delivered from an endpoint on this same node are its sender's own copies, which
+        it sends again on a resend; they stay until it removes them."""
         if delivered or peer != self.peer:
             self._remove([cid for cid, _ in envelope["b"]])
 

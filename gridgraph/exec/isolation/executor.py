@@ -1,60 +1,25 @@
 """Executor processes: each client session's programs run in a process of their own.
 
-Threat model: a client's program is hostile. It may crash a kernel, exhaust memory or run
-for hours. Running it in a process of its own confines each of those to that client: the
-worker's network process, which talks to the transport and serves every other session, only
-supervises.
+Threat model: a client's program is hostile: it may crash a kernel, exhaust memory or run for
+hours. In its own process, that harms only its client; the worker's network process (the
+transport, every other session) only supervises. State: the executor holds the session's
+store, programs and random stream; the network process, what the transport needs (records,
+transfers kept for resending, the inbox: session.py) and an `Executor` handle: the process,
+its pipe and two shared files (`_Channel`), its cgroups, its place (of `max_executors`).
 
 Policy:
-    start      one executor per session, started on the session's first request, forked from
-               a forkserver that imported torch already (a start costs tens of ms). Nothing is
-               ever forked from the network process, whose transport threads a fork would
-               copy half-way.
-    state      the executor holds the session's store, programs and random stream; the
-               network process keeps what the transport needs: request records, transfers
-               kept for resending, the inbox (session.py).
-    memory     the OS caps the executor's address space at what it mapped once started (torch
-               maps far more virtual memory than it uses) plus twice the client's memory
-               limit and some room per core: an allocation past that fails as an op error.
-    sandbox    before its first request the executor enters the sandbox (sandbox.py): no
-               processes, signals, sockets or files beyond its own, and no capabilities. Its
-               stdout and stderr go to /dev/null, not into the worker's log. It dies with
-               its forkserver, which exits when the worker dies. It runs in a pids cgroup of
-               its own, which bounds its threads, and a memory cgroup of its own
-               (cgroups.py): past `memory_limit` the kernel kills it, and only it.
-    time       the executor stops a program between steps at the time limit; one still
-               running KILL_GRACE s later (a single long op) is killed.
-    loss       a crash, kill or time-out ends that session only: its request gets an error
-               reply, and so does every later one, naming the cause (`gg.SessionLost` on the
-               client). Other sessions are untouched.
-    wire       nothing crosses the boundary as pickle. Control frames are msgpack lists over
-               a pipe; messages (requests, replies, transfers, in the wire format and checked
-               by `wire.decode` on the way in) larger than INLINE_MAX travel through two
-               anonymous shared-memory files (memfds), one each way, that the network process
-               makes and hands the executor once, at its start. An executor never makes a
-               memfd (its pages would escape its address-space limit) nor sends a descriptor
-               (descriptors in flight count against one per-user budget that every executor
-               shares): the sandbox refuses both. Each file holds one message at a time:
-               its reader takes it before the writer writes another (a large transfer waits
-               for ["ack"]), and empties a large one's pages once read.
-
-Frames (network process -> executor, and back; `+ data`: inline bytes when small, else the
-size of the message in the sender's shared file):
-    ["request", held] + data  ...  ["reply", held here] + data     (held: bytes the sender
-                                                                   holds for the session)
-    while serving, the executor may send
-    ["transfer", dst, peer, run, value] + data  the network process publishes it to worker
-                                                `dst`, sealed for identity `peer` (value: the
-                                                first value id the transfer carries); answered
-                                                ["ack"] if its data was in the shared file
-    ["recv", run, value, src, peer, seconds, ask_after]
-                                                answered ["recv-ok"] + data (the transfer
-                                                identity `peer` sent), or
-                                                ["recv-error", "upstream" | "timeout", text];
-                                                ask_after: when to ask `peer` to send it
-                                                again (run.resend_wait bounds it)
-    (`peer`: the identity the run's client named for that worker, session.py)
-    ["exit"]
+- start: on the session's first request, forked from a forkserver that imported torch
+  already; never from the network process, whose transport threads a fork would copy.
+- confinement, before the first request: the sandbox (sandbox.py); an address space capped
+  at what it mapped plus `_room`; pids and memory cgroups of its own (cgroups.py: past
+  `memory_limit` the kernel kills it, and only it); stdout and stderr to /dev/null; it dies
+  with its forkserver, which exits when the worker dies.
+- time: a program stops between steps at the time limit; an executor still serving
+  KILL_GRACE s later is killed (`_Watchdog`).
+- loss: a crash, kill or time-out ends that session only; its request, and every later one,
+  gets an error naming the cause (`gg.SessionLost` on the client).
+- wire: nothing crosses as pickle; every frame an executor sends is checked (`request`), its
+  data bounded per kind of frame (`data_limits`); the framing section lists the frames.
 """
 
 from __future__ import annotations
@@ -281,10 +246,9 @@ class _Watch:
 
 class _Watchdog:
     """Kills an executor still serving a request at its kill time. The request loop checks
-    the time between frames, but a frame cut short blocks the read inside it: a taken-over
-    executor that sent 4 bytes of a frame's header held its session, and its place, for
-    ever. One thread for all executors, started on first use; it sleeps till the next
-    deadline."""
+    the time between frames, but a frame cut short blocks the read inside it, and would hold
+    its session, and its place, for ever. One thread for all executors, started on first
+    use; it sleeps till the next deadline."""
 
     def __init__(self) -> None:
         self._due: dict[Any, _Watch] = {}  # process -> its request's watch (under _lock)
@@ -395,8 +359,7 @@ def _own_transfer(data: bytearray, client: str, src: str, run: int, value: int) 
 
 def _recv_frame(frame: list) -> bool:
     """Whether a `recv` frame names a run, a value id and two names (`is_name`), and waits, and asks
-    again after, finite, non-negative numbers of seconds (a NaN made its wait spin on the
-    lock for ever)."""
+    again after, finite, non-negative numbers of seconds (a NaN wait would spin on the lock)."""
     _, run, value, src, peer, seconds, ask_after = frame
     return (
         _count(run)
@@ -408,6 +371,33 @@ def _recv_frame(frame: list) -> bool:
 
 
 # --- framing ---------------------------------------------------------------------------------
+
+# Control frames are msgpack lists over a pipe. Messages (requests, replies, transfers, in the
+# wire format, checked by `wire.decode` on the way in) larger than INLINE_MAX travel through
+# two anonymous shared-memory files (memfds), one each way, that the network process makes and
+# hands the executor once, at its start. An executor never makes a memfd (its pages would
+# escape its address-space limit) nor sends a descriptor (descriptors in flight count against
+# one per-user budget that every executor shares): the sandbox refuses both. Each file holds
+# one message at a time: its reader takes it before the writer writes another (a large
+# transfer waits for ["ack"]), and empties a large one's pages once read.
+#
+# Frames (network process -> executor, and back; `+ data`: inline bytes when small, else the
+# size of the message in the sender's shared file):
+#     ["request", held] + data  ...  ["reply", held here] + data    (held: bytes the sender
+#                                                                   holds for the session)
+#     while serving, the executor may send
+#     ["transfer", dst, peer, run, value] + data  the network process publishes it to worker
+#                                                 `dst`, sealed for identity `peer` (value:
+#                                                 the first value id the transfer carries);
+#                                                 answered ["ack"] if its data was in the file
+#     ["recv", run, value, src, peer, seconds, ask_after]
+#                                                 answered ["recv-ok"] + data (the transfer
+#                                                 identity `peer` sent), or
+#                                                 ["recv-error", "upstream" | "timeout", text];
+#                                                 ask_after: when to ask `peer` to send it
+#                                                 again (run.resend_wait bounds it)
+#     (`peer`: the identity the run's client named for that worker, session.py)
+#     ["exit"]
 
 
 def _in_file(data: bytes | bytearray) -> bool:
@@ -511,7 +501,7 @@ class _Channel:
 
     def close(self) -> None:
         """Close the pipe and both files, once: closed twice, their descriptor numbers could
-        by then be another session's executor's (and were: that session was lost)."""
+        by then be another session's executor's."""
         self.conn.close()
         for fd in (self.out, self.into):
             if fd >= 0:
@@ -584,9 +574,9 @@ def _executor_main(
 
 def _let_go_of_the_worker() -> None:
     """Close the descriptors the forkserver hands every child: the write end of the pipe
-    whose end tells the forkserver that the worker is gone, and the resource tracker's. An
-    executor that held the first kept the forkserver, and so itself, alive after the worker
-    died (its death signal comes when the forkserver exits, sandbox.py)."""
+    whose end tells the forkserver that the worker is gone, and the resource tracker's. Held
+    by an executor, the first keeps the forkserver, and so the executor (its death signal
+    comes when the forkserver exits, sandbox.py), alive after the worker dies."""
     server, tracker = forkserver._forkserver, resource_tracker._resource_tracker
     for holder, attribute in ((server, "_forkserver_alive_fd"), (tracker, "_fd")):
         fd = getattr(holder, attribute, None)
@@ -608,14 +598,16 @@ def _write_nowhere() -> None:
 
 def _cap_file_size(largest: float) -> None:
     """Cap what the executor can write into a shared file at its largest message: pages of
-    a file are outside its address-space limit, and a taken-over executor filled one past
-    the machine's memory (the kernel's OOM killer then picked other processes)."""
+    a file are outside its address-space limit."""
     if math.isfinite(largest):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past it fails, no more
         resource.setrlimit(resource.RLIMIT_FSIZE, (int(largest), int(largest)))
 
 
 def _cap_address_space(client_memory: int | None) -> None:
+    """No core dumps; and with a client memory limit, an address space capped at what the
+    executor mapped once started (torch maps far more virtual memory than it uses) plus
+    `_room`: an allocation past that fails as an op error."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if client_memory is None:
         return

@@ -1,50 +1,27 @@
 """The executor's sandbox: what a client's program can reach once it owns its executor.
 
-Threat model: a kernel that trusts its arguments (kernel_checks.py covers the ones known)
-may hand a hostile client's program the executor process it runs in: its code and its
-system calls. The sandbox keeps that client inside its own session. It cannot touch the
-worker, another client's executor, the worker's keys or the Kubo node.
-
-State: none here. `enter()` changes the calling process for good, once.
-
-Policy (an executor enters it before it serves its first request; the kernel enforces it):
-    processes  no fork, vfork or exec, and no clone but a thread's (seccomp): nothing the
-               client starts outlives its executor or runs outside the sandbox.
-    signals    to no process but itself (seccomp, and Landlock's signal scope where the
-               kernel has it): not the worker, and not another client's executor.
-    memory     no ptrace, process_vm_readv/writev, pidfd_getfd or kcmp. The executor is not
-               dumpable, so no process of the same user without CAP_SYS_PTRACE opens its
-               /proc/pid/mem. `protect_worker` does the same for the network process.
-    network    no new socket of any kind (seccomp): not Kubo's RPC API, not the
-               forkserver's socket, not the network.
-    files      Landlock: read only where Python and its libraries live, and write nowhere.
-               Elsewhere (the worker's keys, the Kubo repository, /proc) nothing is opened.
-               No file's mode, owner, times or extended attributes change (seccomp: Landlock
-               does not cover those), and no file is watched.
-    IPC        no System V or POSIX IPC objects: shared by every process of the user, and
-               outliving the executor. No descriptor sent (sendmsg): descriptors in flight
-               count against one budget per user, and one executor filled it for all.
-    pages      no memfd of its own (a memfd's pages lie outside its address-space limit),
-               and a file-size limit on the shared files it writes (executor.py).
-    terminal   a session of its own (setsid), so no controlling terminal, and no TIOCSTI or
-               TIOCLINUX ioctl: nothing typed into the operator's shell.
-    privilege  no capabilities, and no_new_privs. A worker that runs as root gives its
-               executors none of root's powers; they keep uid 0, and with it owner access
-               to root's files, which Landlock confines.
-    lifetime   its death signal (SIGKILL when the forkserver goes) cannot be undone:
-               prctl(PR_SET_PDEATHSIG) is refused.
-    the rest   no namespaces, mounts, keys, BPF, userfaultfd, perf events or io_uring
-               (whose requests seccomp would not see). Scheduling and resource-limit changes
-               apply only to the executor itself; no nice or I/O priority changes at all
-               (those calls reach whole process groups and users).
-    threads    bounded by a pids cgroup per executor, where the worker can make one
-               (cgroups.py): the kernel exempts uid 0 from RLIMIT_NPROC. Its memory too,
-               shared files included, by a memory cgroup.
-
-A refused call fails with EPERM (clone3 with ENOSYS, so that threads fall back to clone).
-Where the machine lacks a part (Landlock before Linux 5.13; seccomp on an architecture
-other than x86-64 and arm64; pids and memory cgroups the worker may make), `missing()`
-names it, and the worker logs a warning when it starts.
+Threat model: a kernel that trusts its arguments (kernel_checks.py covers the ones known) may
+hand a hostile client's program its executor process: its code and its system calls. The
+sandbox keeps that client in its own session, away from the worker, other clients' executors,
+the worker's keys and the Kubo node. State: none; `enter()` changes the calling process for
+good, once, before its first request. Policy (the kernel's; seccomp refuses what `_REFUSED`
+and `_SELF_ONLY` list, each group saying why):
+- processes: no fork, vfork or exec, no clone but a thread's; signals (also Landlock's signal
+  scope, where the kernel has it), scheduling and resource limits for itself only; no nice or
+  I/O priority change; its death signal (SIGKILL when the forkserver goes) stays;
+- memory: no ptrace, process_vm_readv/writev, pidfd_getfd or kcmp, and not dumpable
+  (`protect_worker` does that for the network process); no memfd, no System V or POSIX IPC,
+  no descriptor sent; a file-size limit on the shared files it writes (executor.py);
+- no socket of any kind, namespace, mount, key, BPF, userfaultfd, perf event or io_uring;
+- files (Landlock): read only where Python and its libraries live, write nowhere; no change
+  to a file's mode, owner, times or extended attributes, and no file watched;
+- a session of its own (setsid), and no TIOCSTI or TIOCLINUX ioctl: nothing typed into the
+  operator's shell; no capabilities, and no_new_privs (`_drop_capabilities`);
+- threads, and memory with the shared files, bounded by pids and memory cgroups of its own
+  (cgroups.py), where the worker can make them (the kernel exempts uid 0 from RLIMIT_NPROC).
+A refused call fails with EPERM (clone3 with ENOSYS: threads fall back to clone). `missing()`
+names what the machine lacks (Landlock before Linux 5.13, seccomp off x86-64 and arm64, the
+cgroups); the worker warns of it at start.
 """
 
 from __future__ import annotations
@@ -122,7 +99,9 @@ _REFUSED = (
     "tkill rt_sigqueueinfo rt_tgsigqueueinfo pidfd_send_signal pidfd_open pidfd_getfd ptrace "
     "process_vm_readv process_vm_writev process_madvise kcmp migrate_pages move_pages "
     "setpriority ioprio_set "  # (these reach a process group or a user too)
-    # new processes and programs, sockets, namespaces, kernel facilities
+    # new processes and programs (nothing the client starts outlives its executor or runs
+    # outside the sandbox), sockets (not Kubo's RPC API, not the forkserver's socket, not the
+    # network), namespaces, kernel facilities (io_uring: seccomp would not see its requests)
     "fork vfork execve execveat socket socketpair unshare setns mount keyctl add_key "
     "request_key bpf perf_event_open userfaultfd io_uring_setup io_uring_enter "
     "io_uring_register open_by_handle_at name_to_handle_at "
@@ -207,6 +186,7 @@ def enter() -> None:
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     if landlock_abi() >= 1:
         _restrict_files(landlock_abi())
+    # not dumpable: no process of its user without CAP_SYS_PTRACE opens its /proc/pid/mem
     _prctl(PR_SET_DUMPABLE, 0)
     if platform.machine() in _NR:
         _install_filter(platform.machine(), os.getpid())
@@ -236,7 +216,9 @@ def _call(number: int, name: str, *args: object) -> int:
 
 
 def _drop_capabilities() -> None:
-    """Empty the effective, permitted and inheritable sets, and the ambient one."""
+    """Empty the effective, permitted and inheritable sets, and the ambient one: a worker
+    that runs as root gives its executors none of root's powers. They keep uid 0, and with
+    it owner access to root's files, which Landlock confines (and seccomp, their metadata)."""
     if _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
         if ctypes.get_errno() != errno.EINVAL:  # (a kernel without ambient capabilities)
             raise SandboxError(f"clearing ambient capabilities: {os.strerror(ctypes.get_errno())}")
@@ -250,7 +232,8 @@ def _drop_capabilities() -> None:
 
 def _restrict_files(abi: int) -> None:
     """Landlock: read files and list directories only where Python's code and the shared
-    libraries live; everything else, writes included, is refused."""
+    libraries live; everything else (the worker's keys, the Kubo repository, /proc), writes
+    included, is refused."""
     fs = (1 << _FS_RIGHTS_BY_ABI.get(abi, 16)) - 1
     net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 else 0
     scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
@@ -296,6 +279,7 @@ def _install_filter(machine: str, pid: int) -> None:
         program += _when(nr[name], _if_arg(arg, _JEQ, values, _ret(_ALLOW), _ret(eperm)))
     program += _when(nr["clone"], _if_arg(0, _JSET, [CLONE_THREAD], _ret(_ALLOW), _ret(eperm)))
     program += _when(nr["clone3"], [_ret(_errno(errno.ENOSYS))])  # threads fall back to clone
+    # (its death signal cannot be undone)
     program += _when(nr["prctl"], _if_arg(0, _JEQ, [PR_SET_PDEATHSIG], _ret(eperm), _ret(_ALLOW)))
     program += _when(nr["ioctl"], _if_arg(1, _JEQ, _TTY_INJECTION, _ret(eperm), _ret(_ALLOW)))
     program.append(_ret(_ALLOW))

@@ -1,77 +1,27 @@
 """The worker runtime: receives requests, runs each client's programs, replies.
 
-Threat model: a worker on an open grid serves peers it has never met, and any peer can send
-it anything. So every message is hostile until checked, and nothing one client sends may
-read or change another client's data, crash the worker, or stall other clients.
-
-State:
-    sessions   client key -> Session (session.py): everything kept for one client. A client
-               is the authenticated sender (`sender`, the transport's identity) plus the
-               session id it chose; each peer may hold `limits.sessions_per_peer` of them
-               (a new one beyond that evicts the peer's own least recently seen idle one).
-               A peer, for every per-peer limit here, is the transport's `owner` of the
-               sender: on IPFS the Kubo node, which makes endpoint keys at will.
-               A transfer may arrive before its client's first request and open the session
-               it names: such a session counts against the identity that sent the transfer
-               (`sessions_per_peer` of them, and no eviction), not against the peer it
-               names, until that peer's own request adopts it. So no one else's transfers
-               can make a worker end a client's sessions.
-    ended      why the worker ended sessions its clients had used (lease, eviction), by key,
-    left       and which ones their clients ended (bye), each ENDED_KEPT per peer for the
-               ENDED_PEERS latest peers (apart, so a peer's byes never push out why the
-               worker ended one of its sessions): a later request of such a session is
-               refused as `session-ended` naming the cause (the client raises
-               `gg.SessionLost`), and no empty session is opened in its place, whose runs
-               would fail as "value not stored" and which would hold what the request
-               brought (a put delayed past its bye) until its lease ran out. Sessions opened
-               by a transfer and never adopted leave no record.
-    rate       a token bucket per peer (limits.py)
-    stray      per sending peer, the bytes of its transfers kept for sessions whose runs
-               never named it: charged to it (up to `max_client_memory`), not to them, so
-               no one's transfers use up another client's memory
-    serving    the sessions' serving threads still running; `close` waits for them
+Threat model: a worker on an open grid serves peers it has never met, who may send anything:
+every message is hostile until checked, and nothing one client sends may read or change
+another client's data, crash the worker, or stall other clients. State: `sessions`, client
+key (sender identity/session id) -> Session (session.py); `ended` and `left`, why sessions
+ended (by the worker; by their client's bye); token buckets per peer for requests and for
+refusals; `stray`, per sending peer, the bytes of its transfers kept for sessions whose runs
+never named it; the serving threads; one outbox and its sender thread. A peer, for every
+per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node).
 
 Policy:
-    - The transport's thread only decodes, checks and enqueues (`on_message`); it never
-      blocks and never runs a request. Messages over `limits.max_message_bytes` are dropped.
-    - Each session's requests run one at a time in arrival order on a thread of its own, so
-      one client's long program, or a `recv` that waits, delays no other client. The thread
-      waits SERVER_LINGER s for the session's next request before it ends (torch's
-      intra-op thread pool belongs to it, and stays warm across a training loop's steps). With
-      `isolate=True` (as `gridgraph worker` runs) that thread hands them to the session's
-      executor process (isolation/executor.py): a crash, OOM kill or time-out there ends that
-      session only, and every later request of it gets an error naming the cause.
-    - Exactly once: a request id runs at most once per session (the session's records).
-      A resend of a request that is queued or running is ignored; one that already has its
-      reply gets that reply again, within the peer's request rate (past it, the resend is
-      ignored: a refusal would say that a request which ran did not). Every accepted
-      request gets exactly one reply: an error reply if anything fails, including encoding
-      the reply itself, or if its session ends (bye, lease, eviction) before it runs.
-    - A refused request changes nothing, not even its `free` list: frees apply only once the
-      request was accepted and served. A request over the peer's rate, the session's memory
-      or time limit is refused with an error naming the limit (limits.py); so is one that
-      would make the requests waiting in the session's queue hold more than its memory
-      limit (they are held here, whatever runs them). Refusals for a peer over its rate
-      are themselves limited to that rate: past it, its requests are dropped unanswered
-      and unrecorded (a resend later is judged afresh), so a flood of tiny requests
-      cannot fill the one sender thread's queue ahead of other clients' replies.
-    - A malformed request gets an error reply when it has an id and a session id, and its
-      id is at most MAX_REQUEST_ID characters (a reply names its request: a longer id is
-      dropped rather than echoed, and kept nowhere). A reply goes to the sender's own
-      topic for that session (`client_topic`), which no request names.
-    - Transfers between workers go only between the identities the client named: a run
-      message names the identity of each worker its program sends to or receives from
-      (`peers`; a run without one is refused). A send is published to that identity only (on
-      IPFS sealed for it), a kept transfer is resent only when that identity asks (within
-      its request rate), and a request to resend goes to the identity the run names too. A
-      transfer is kept in the inbox of the session it names, with its sender's identity,
-      counted against that session's memory if one of its runs named the sender, else
-      against the sender's `stray` budget (one over either is kept as a small error in its
-      place, so that a run waiting for it fails naming the limit; dropped when not even that
-      fits), and a run takes it only from the identity it names for the sending worker
-      (session.py). Nothing here asks the worker's own view of the grid (on IPFS, its
-      discovery directory) who a worker is: a peer that owns a worker's name there, or
-      claims one, gets nothing it may read and can place nothing a run uses.
+- the transport's thread only decodes, checks and enqueues (`on_message`); each session's
+  requests run in arrival order on a thread of its own (`_drain`), in its executor process
+  with `isolate` (isolation/executor.py): no client's long program delays another's;
+- exactly once: a request id runs at most once per session, and every accepted request gets
+  exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
+- bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
+  request rate and its refusals' rate; a session by its memory (queued requests included)
+  and time limits; an ended session's requests are refused as `session-ended`;
+- replies go only to the sender's own topic for its session; transfers only between the
+  identities a run names for its workers (`peers`, run.py refuses a run without them), kept
+  against someone's memory (`_accept_transfer`), resent only to the identity they went to
+  (`_resend`). The worker's own view of the grid (its directory) never says who one is.
 """
 
 from __future__ import annotations
@@ -132,7 +82,7 @@ ENDED_BEFORE_RUN = RequestError(
 # A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
-# Ended sessions remembered (see `ended` above): per peer, and peers, the latest ones.
+# Ended sessions remembered (EndedSessions): per peer, and peers, the latest ones.
 ENDED_KEPT = 64
 ENDED_PEERS = 1024
 
@@ -211,6 +161,27 @@ class Worker:
             log.exception("%s: failed to accept a message from %s", self.name, sender)
 
     def _accept_request(self, sender: str, msg: dict, payload: bytes) -> None:
+        """Check a request on the transport's thread; queue it for its session, or answer it.
+
+        Exactly once: a request id runs at most once per session. A resend of a request
+        queued or running is ignored; one already answered gets its reply again (RESENDS
+        times at most), within the peer's request rate (past it, the resend is ignored: a
+        refusal would say that a request which ran did not). Every accepted request gets
+        exactly one reply: an error reply if anything fails, including encoding the reply
+        itself, or if its session ends (bye, lease, eviction) before it runs.
+
+        A refused request changes nothing, not even its `free` list: frees apply only once
+        the request was accepted and served. A request over the peer's rate, the session's
+        memory or time limit is refused with an error naming the limit (limits.py); so is
+        one that would make the requests waiting in the session's queue hold more than its
+        memory limit (they are held here, whatever runs them). Refusals for a peer over its
+        rate are themselves limited to that rate: past it, its requests are dropped
+        unanswered and unrecorded (a resend later is judged afresh), so a flood of tiny
+        requests cannot fill the one sender thread's queue ahead of other clients' replies.
+        A malformed request gets an error reply when it has an id and a session id, and its
+        id is at most MAX_REQUEST_ID characters (a reply names its request: a longer id is
+        dropped rather than echoed, and kept nowhere). A reply goes to the sender's own
+        topic for that session (`client_topic`), which no request names."""
         rid, session_id = msg.get("id"), msg.get("session")
         if not isinstance(rid, str) or not isinstance(session_id, str):
             log.warning("%s: dropped a %.40r request without id or session", self.name, msg["kind"])
@@ -338,9 +309,16 @@ class Worker:
     def _session(
         self, key: str, peer: str, create: bool, opened_by: str | None = None
     ) -> Session | None:
-        """Session `key` of `peer`; if there is none and `create`, a new one. A request
-        passes `opened_by=None`; a transfer passes its sender's identity (see the module
-        docstring), and never adopts or evicts a session."""
+        """Session `key` of `peer`; if there is none and `create`, a new one, within the
+        peer's `sessions_per_peer` (`_make_room`). A request passes `opened_by=None`. A
+        transfer may arrive before its client's first request and open the session it
+        names: it passes its sender's identity, and such a session counts against that
+        identity (`sessions_per_peer` of them, and no eviction), not against the peer it
+        names, until that peer's own request adopts it. So no one else's transfers can make
+        a worker end a client's sessions. A session in `ended` or `left` is refused as
+        `session-ended` naming the cause (the client raises `gg.SessionLost`), and no empty
+        session opens in its place: its runs would fail as "value not stored", and it would
+        hold what the request brought (a put delayed past its bye) until its lease ran out."""
         with self._lock:
             session = self.sessions.get(key)
             if session is None and not create:
@@ -394,6 +372,13 @@ class Worker:
         oldest.close()
 
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
+        """Keep a transfer in the inbox of the session it names (opening it, `_session`),
+        with its sender's identity: a run takes it only from the identity its client named
+        for the sending worker (session.py), so a peer that owns or claims a worker's name
+        in this worker's directory can place nothing a run uses. It counts against that
+        session's memory if one of its runs named the sender, else against the sender's
+        `stray` budget; one over either is kept as a small error in its place, so that a run
+        waiting for it fails naming the limit, and dropped when not even that fits."""
         values = msg.get("values")
         first = values[0] if isinstance(values, list) and values else None
         key = _transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
@@ -474,7 +459,9 @@ class Worker:
     # --- serving (one thread per busy session) ---------------------------------------------
 
     def _drain(self, session: Session) -> None:
-        """Serve `session`'s queue; wait SERVER_LINGER s for more before the thread ends.
+        """Serve `session`'s queue, one request at a time in arrival order, so that one
+        client's long program, or a `recv` that waits, delays no other client; wait
+        SERVER_LINGER s for more before the thread ends.
 
         One lasting thread per active session, rather than one per burst of requests:
         torch's intra-op thread pool (OpenMP) belongs to the thread that calls into it, and
@@ -655,11 +642,10 @@ class Worker:
     def publish_transfer(
         self, session: Session, dst: str, peer: str, run_value: tuple[int, int], payload: bytes
     ) -> None:
-        """Send a transfer to worker `dst` as identity `peer` (the one its run names), and
-        keep it a while, in case that identity asks again. # ipfs: Kept within the client's
-        memory limit, as far as the rest of what the session holds leaves room: a program
-        that sent one expanded 4-byte tensor to 150 made-up workers had the network process
-        keep 2.4 GB of them (16 MiB each once encoded) under a 64 MiB limit."""
+        """Send a transfer to worker `dst`, only to identity `peer` (the one its run names; on
+        IPFS sealed for it), and keep it a while, in case that identity asks again. # ipfs:
+        Kept within the client's memory limit, as far as the rest of what the session holds
+        leaves room."""
         session.keep_sent((*run_value, dst), peer, payload, self.limits.max_client_memory)
         self._publish(session, worker_topic(dst), payload, counted=True, to=peer)
 
@@ -735,7 +721,10 @@ class Worker:
 
 class EndedSessions:
     """Why sessions ended, by key: ENDED_KEPT per peer (a peer's own churn pushes out only
-    its own), for the ENDED_PEERS peers that most recently lost one."""
+    its own), for the ENDED_PEERS peers that most recently lost one. A worker keeps two: why
+    it ended sessions their clients had used (lease, eviction), and which ones their clients
+    ended (bye), apart, so that a peer's byes never push out why the worker ended one of its
+    sessions. Sessions opened by a transfer and never adopted leave no record."""
 
     def __init__(self) -> None:
         self._by_peer: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()

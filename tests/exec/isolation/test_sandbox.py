@@ -77,6 +77,8 @@ def _attacks(worker: int, secret: str, planted: str, port: int, pair: socket.soc
         "share memory with anyone": share_memory_with_anyone,
         "type into its terminal": type_into_its_terminal,
         "hold memory its limits do not see": lambda: os.close(os.memfd_create("hoard")),
+        # (descriptors in flight count against one budget per user: one executor filled it
+        # for all of them)
         "put descriptors in flight": lambda: socket.send_fds(pair, [b"x"], [0]),
         "take a handle on the worker": lambda: os.close(os.pidfd_open(worker)),
         "lower the worker's priority": lambda: os.setpriority(
@@ -187,6 +189,8 @@ def test_a_live_executor_runs_in_the_sandbox():
                 assert int(f.read()) == limit
     assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1"
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
+    # Its shared file's pages lie outside its address-space limit: a taken-over executor
+    # filled one past the machine's memory, and the kernel's OOM killer picked other processes.
     assert int(file_size) == executor.largest_message(limits)  # its shared file
     assert output == {os.devnull}
     assert made and not any(os.path.exists(p) for p in made)  # removed with its executor
