@@ -6,27 +6,8 @@ a view of it, runs where that tensor's storage lives, so mutation through views 
 meaning.
 
 `place` minimizes the estimated finish time of the graph under a `CostModel` (see cost.py):
-
-1. Alias units: the nodes that create, view or write one storage are contracted into one unit
-   (union-find over storages). A unit holding a tensor already stored on a worker is fixed
-   there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free. A unit
-   holding tensors stored on two workers cannot be placed: `storage_moves` says which to
-   move first (the client moves them, worker to worker).
-2. List scheduling in recording order (the order workers run their programs in): each free
-   unit goes, at its first node, to the worker where that node finishes earliest, counting
-   the transfers it waits for, plus the transfers its later nodes will need from data whose
-   place is already known (a transfer that joins a message already open, see plan.py, at
-   its bytes only). A sequential chain therefore stays with its data, and a branch moves to
-   an idle worker only when the time it gains there beats the transfer. Three variants
-   weigh the transfers a choice starts more or less (to keep data together), each once as
-   said and once charging every transfer a message's latency as well (which keeps apart
-   what coalescing would draw together: each finds better placements on some graphs).
-3. Those, the naive placement and "every free unit on one worker" are starting points. Each is
-   refined, the best first, by moves that take one unit to another worker, alone or followed
-   by a roll-out of the list scheduling for every unit decided after it (which moves a whole
-   branch). A move is kept when the finish time drops, or stays and fewer bytes move. Units on
-   the critical path are tried first; a fixed budget of simulated node steps bounds the
-   search, so the result is deterministic and a 10,000-node graph compiles in about 0.5 s.
+alias units fixed where their storage lives, list scheduling from several starting points,
+then local moves within a fixed budget of simulated steps (its docstring says how).
 
 An optional memory cap bounds, per worker, the bytes of the storages whose home it is.
 """
@@ -213,7 +194,29 @@ def place(
     memory_cap: int | Mapping[str, int] | None = None,
     effort: float = 1.0,
 ) -> dict[int, str]:
-    """Node id -> worker name, minimizing the estimated finish time under `cost`.
+    """Node id -> worker name, minimizing the estimated finish time under `cost`:
+
+    1. Alias units: the nodes that create, view or write one storage are contracted into one
+       unit (union-find over storages). A unit holding a tensor already stored on a worker is
+       fixed there; else a `gg.on(w)` pin inside it fixes it to w; every other unit is free. A
+       unit holding tensors stored on two workers cannot be placed: `storage_moves` says which
+       to move first (the client moves them, worker to worker).
+    2. List scheduling in recording order (the order workers run their programs in): each free
+       unit goes, at its first node, to the worker where that node finishes earliest, counting
+       the transfers it waits for, plus the transfers its later nodes will need from data whose
+       place is already known (a transfer that joins a message already open, see plan.py, at its
+       bytes only). A sequential chain therefore stays with its data, and a branch moves to an
+       idle worker only when the time it gains there beats the transfer. Three variants weigh
+       the transfers a choice starts more or less (to keep data together), each once as said and
+       once charging every transfer a message's latency as well (which keeps apart what
+       coalescing would draw together: each finds better placements on some graphs).
+    3. Those, the naive placement and "every free unit on one worker" are starting points. Each
+       is refined, the best first, by moves that take one unit to another worker, alone or
+       followed by a roll-out of the list scheduling for every unit decided after it (which
+       moves a whole branch). A move is kept when the finish time drops, or stays and fewer
+       bytes move. Units on the critical path are tried first; a fixed budget of simulated node
+       steps bounds the search, so the result is deterministic and a 10,000-node graph compiles
+       in about 0.5 s.
 
     `nodes` in recording order; `memory_cap`: bytes per worker (one number for all, or per
     worker name) of the storages whose home is that worker; `effort` scales the refinement

@@ -1,35 +1,22 @@
 """The op vocabulary of the graph: the ATen overloads a worker will run, by name, by category.
 
 Policy: an allowlist. A worker runs an op only if its overload name is listed here
-(exec/worker/ops.py enforces this on the worker); the recorder (trace/record.py) decomposes
-any other op into listed ones with PyTorch's own decompositions (torch._decomp), or refuses
-it at the call.
+(exec/worker/ops.py enforces this on the worker); the recorder (trace/record.py) asks
+`refusal` before it records a call, and decomposes any other op into listed ones with
+PyTorch's own decompositions (torch._decomp), or refuses it at the call.
 
-How the list was built: the ops gridgraph records are those that reach
-`__torch_dispatch__`. `scripts/collect_dispatch_ops.py` runs every OpInfo sample of PyTorch's
-`op_db` (CPU; float32, float64, int64, bool, complex64, bfloat16; forward, backward and
-in-place variants) under a TorchDispatchMode and lists the overloads reached; that list was
-reviewed by hand into the categories below, and the ones in REFUSED were left out. Added
-after review: `native_dropout` (nn.Dropout's kernel: decomposed, its random stream would
-differ from torch's) and `_embedding_bag_forward_only` (embedding_bag without autograd).
-
-What is never listed: private kernels that skip checks (`_unsafe_*` other than
-`_unsafe_view`, `_reshape_alias`), sparse constructors and kernels, nested tensors built from
-raw buffers, `_test_*` ops, ops on process state (`manual_seed`, `seed`, `set_num_threads`),
-ops that swap a stored tensor's storage (`set_`), `out=` forms (they resize their output;
-the client records them as their functional op and a `copy_`, see trace/record.py),
-files and raw memory (`from_file`, `data_ptr`). The private (leading `_`) overloads that are
-listed are the kernels behind public functions (`_softmax`, `_to_copy`, `_fft_c2c`,
-`_linalg_svd`, ...): each was reviewed and checks its arguments as its public function does.
-
-Three properties the worker adds (exec/worker/ops.py): every result is checked against its storage's
-bounds (a view reaching past its storage is refused), the results of the ops in
-UNINITIALIZED are zero-filled, so no client reads memory another client freed, and the
-arguments of kernels whose CPU code indexes with them unchecked are checked first
-(exec/safety/kernel_checks.py: an op added here whose kernel trusts its arguments needs a check).
+The list is the ops that reach `__torch_dispatch__` when PyTorch's OpInfo samples run
+(`scripts/collect_dispatch_ops.py`), reviewed by hand into CATEGORIES; REFUSED says why
+each op left out was. Never listed: private kernels that skip checks, sparse and nested
+constructors, `_test_*` ops, ops on process state, `set_`, `out=` forms (recorded as their
+functional op and a `copy_`), files and raw memory. The worker adds three properties
+(exec/worker/ops.py): every result is checked against its storage's bounds, the results of
+the ops in UNINITIALIZED are zero-filled, and the arguments of kernels that index with them
+unchecked are checked first (exec/safety/kernel_checks.py).
 
 To add an op: check that it validates its arguments, does not reach outside its tensors'
-storage or the process's tensor math, then list it under its category.
+storage or the process's tensor math, then list it under its category (a kernel that trusts
+its arguments needs a check in kernel_checks.py).
 """
 
 from __future__ import annotations
@@ -234,7 +221,14 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     ),
 }  # fmt: skip
 
-# Reached by PyTorch's own OpInfo samples, reviewed and refused, with the reason.
+# Reached by PyTorch's own OpInfo samples, reviewed and refused, with the reason. Never
+# listed either: private kernels that skip checks (`_unsafe_*` other than `_unsafe_view`,
+# `_reshape_alias`), `_test_*` ops, `manual_seed`/`seed`/`set_num_threads`, `from_file`,
+# `data_ptr`. The private overloads that are listed (`_softmax`, `_to_copy`, `_fft_c2c`,
+# `_linalg_svd`, ...) are the kernels behind public functions, each reviewed to check its
+# arguments as its public function does. Added after review, though OpInfo's samples do not
+# reach them: `native_dropout` (nn.Dropout's kernel: decomposed, its random stream would
+# differ from torch's) and `_embedding_bag_forward_only` (embedding_bag without autograd).
 REFUSED: dict[str, tuple[str, ...]] = {
     "unsafe: skips the bounds checks on its indices": (
         "_unsafe_masked_index", "_unsafe_masked_index_put_accumulate"

@@ -1,37 +1,17 @@
 """Budgets a worker grants each client, and how a program is checked against them first.
 
-A client is one session of one authenticated peer (see worker.py). Policy:
+A client is one session of one authenticated peer (see worker/worker.py). `Limits` holds the
+budgets (memory, time, message size, request rate, sessions per peer, executors); its
+docstring says what each bounds and what happens past it. Policy: check before spending.
+A request that would break a budget is refused, naming the limit, before it changes
+anything: a program's new tensors are worked out from meta shapes (PyTorch's shape-only
+device) before any step runs (`op_footprint`), the scratch each op takes while it runs is
+bounded from its inputs (`op_scratch`), and its work from elements touched or multiply-adds
+(`op_work`), so that one clearly over the time limit never starts.
 
-    memory      bytes a session holds on a worker: stored tensors, transfers waiting in its
-                inbox, transfers kept for resending, cached replies and programs, request
-                records. A request that would take the session over `max_client_memory` is
-                refused before it changes anything; a program's new tensors are computed
-                from meta shapes (PyTorch's shape-only device) before any step runs, and
-                the scratch each op takes while it runs is bounded from its inputs
-                (`op_scratch`: counted at the op's peak, not held after it).
-    time        a request runs at most `max_request_seconds`: a program estimated to need
-                clearly more (`op_work`: elements touched, or multiply-adds) is refused
-                before it runs; one that runs over is stopped at its next step (or
-                killed with its executor process, see isolation/executor.py) and undone.
-    messages    a message over `max_message_bytes` is dropped unread.
-    rate        each peer may send `requests_per_second` requests, in bursts of up to
-                `request_burst`; the rest are refused, naming the limit, at most as often
-                (past that, dropped unanswered and unrecorded). A resend answered
-                again and an ask to resend a kept transfer count too (past the rate they
-                are ignored: the worker's sender thread is everyone's).
-    sessions    each peer holds at most `sessions_per_peer` sessions on a worker; a new one
-                evicts the peer's own least recently seen idle session. A session that a
-                transfer opens counts against the transfer's sender until its client adopts
-                it (worker.py). The default is a quarter of `max_executors`, so that no
-                one peer holds every executor place (a client needs one session a grid; on
-                IPFS the clients of one Kubo node share its 16).
-    executors   a worker runs at most `max_executors` executor processes at once (each
-                holds some 15 MB of its own, and sessions are free to open): a session
-                that needs one past that is refused, naming the limit, until another
-                session ends.
-
-Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()` (what
-`gg.local_grid` uses unless asked: an in-process grid serves only its own user).
+State: none here but the per-peer counters of `RateLimiter` and `SenderBudgets`, which the
+worker owns. Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()`
+(what `gg.local_grid` uses unless asked: an in-process grid serves only its own user).
 """
 
 from __future__ import annotations
@@ -74,7 +54,27 @@ class LimitExceeded(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-client budgets of a worker; None means unlimited."""
+    """Per-client budgets of a worker; None means unlimited.
+
+    max_client_memory    bytes a session holds on a worker: stored tensors, transfers
+                         waiting in its inbox or kept for resending, cached replies and
+                         programs, request records. Past it a request is refused before it
+                         changes anything; scratch counts at an op's peak, not after it.
+    max_request_seconds  a request runs at most this long: a program estimated to need
+                         clearly more is refused before it runs; one that runs over is
+                         stopped at its next step (or killed with its executor process,
+                         isolation/executor.py) and undone.
+    max_message_bytes    a larger message is dropped unread.
+    requests_per_second, request_burst  per peer; the rest are refused, naming the limit,
+                         at most as often (past that, dropped unanswered and unrecorded). A
+                         resend answered again and an ask to resend a transfer count too.
+    sessions_per_peer    a new session past it evicts the peer's own least recently seen
+                         idle one; a session a transfer opens counts against the
+                         transfer's sender until its client adopts it. A quarter of
+                         `max_executors`, so no one peer holds every executor place.
+    max_executors        executor processes at once (each holds some 15 MB): a session
+                         that needs one past that is refused until another session ends.
+    """
 
     max_client_memory: int | None = 4 * GiB
     max_request_seconds: float | None = 300.0

@@ -9,13 +9,6 @@ inline) leave the setting as it is, so a big step's few small ops cost no switch
 choice depends on the op and its shapes only, so a program repeats bit for bit, run after
 run (kernels such as convolutions round differently on another number of threads).
 
-Why: each thread that runs an OpenMP region keeps a team of helper threads. Once a process
-holds more OpenMP threads than cores, libgomp puts idle helpers to sleep at once, so each
-small matrix product, on every thread (the user's too), pays to wake its helper: 0.1-0.2 ms
-on a 2-core machine, against a few microseconds of arithmetic. Small ops on one thread add
-no team: an in-process worker then leaves the user's own torch code as fast as it is
-without gridgraph (`bench/bench_threads.py`, `bench/bench_compile.py`).
-
 `torch.set_num_threads` also stores the value that threads not yet started take up. Right
 after setting one thread, a short-lived thread puts that value back (about 0.1 ms, paid only
 when a thread goes from a big op to a small one), so the user's later threads, and other
@@ -56,7 +49,12 @@ def threads_matter_from(op: torch._ops.OpOverload) -> float:
 def use_threads_for(work: float, matters_from: float) -> None:
     """Let torch use one intra-op thread here for an op of `work` if that is small, else this
     thread's default; leave the setting as it is if the op's `threads_matter_from` is over
-    `work`."""
+    `work`.
+
+    Why: each thread that runs an OpenMP region keeps a team of helper threads; once a
+    process holds more OpenMP threads than cores, libgomp puts idle helpers to sleep at
+    once, so each small product on every thread (the user's too) pays to wake its helper.
+    Small ops on one thread add no team (bench/bench_threads.py shows the cost)."""
     if work < matters_from:
         return
     default = getattr(_THREAD, "default", None)
