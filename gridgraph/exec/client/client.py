@@ -17,6 +17,8 @@ replies, then record where each value now lives and drop what no one needs.
 
 Freed pointers only append to a queue (their weakref callback may run on any thread, any time);
 the queue is drained at the start of the next request, so releases travel in batches.
+
+gg.compile records and replays a step through `run_pending` and `replay`, under `exclusive()`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import uuid
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -65,7 +68,7 @@ SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
-class _Cell:
+class Cell:
     """The value id a pointer names, and a weak reference that queues the cell when the
     pointer dies (a weakref callback is much cheaper than weakref.finalize)."""
 
@@ -78,6 +81,14 @@ class _Cell:
 
     def died(self, _ref: weakref.ref) -> None:
         self.queue.append(self)
+
+
+class RunResult(NamedTuple):
+    """What a run ran: its plan, the value id of each of its slots, each worker's reply."""
+
+    plan: Plan
+    slots: list[int]
+    replies: dict[str, dict]
 
 
 @dataclass(slots=True)
@@ -119,7 +130,7 @@ class Client:
         self.graph = Graph()
         self.session = uuid.uuid4().hex[:12]
         self.topic = client_topic(transport.identity, self.session)
-        self.live: dict[int, _Cell] = {}
+        self.live: dict[int, Cell] = {}
         self.failed: dict[int, RemoteError] = {}
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
         self.closed = False
@@ -142,7 +153,7 @@ class Client:
         # tensor, until the next compiled step or a recorded write (exec/client/compile.py).
         self.prefetched: dict[int, torch.Tensor] = {}
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
-        self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
+        self._dead: deque[Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
         # Request ids: unique within the session (a worker keeps its records per session),
         # and cheaper than a uuid4 per request, whose os.urandom call also let another
@@ -167,7 +178,7 @@ class Client:
 
     def make_pointer(self, vid: int, requires_grad: bool = False) -> RemoteTensor:
         p = RemoteTensor(self, vid, self.graph.values[vid].meta, requires_grad)
-        cell = _Cell(vid, self._dead)
+        cell = Cell(vid, self._dead)
         cell.ref = weakref.ref(p, cell.died)  # the cell (held in `live`) keeps the ref alive
         p._cell = cell
         self.live[vid] = cell
@@ -177,7 +188,7 @@ class Client:
         """Point `p` at a new version of its tensor (after an in-place op)."""
         cell = p._cell
         self.live.pop(cell.vid, None)
-        self._dead.append(_Cell(cell.vid))  # the old version: free once nothing needs it
+        self._dead.append(Cell(cell.vid))  # the old version: free once nothing needs it
         cell.vid = p._vid = vid
         self.live[vid] = cell
 
@@ -193,8 +204,10 @@ class Client:
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
 
-    def _collect_dead(self) -> None:
-        """Release values whose pointers died, unless pending work still reads them."""
+    def release_dead(self) -> None:
+        """Release values whose pointers died, unless pending work still reads them: their
+        ids go with the next request to their worker (in a batch of their own once many
+        wait). Recording, stats and gg.compile call it before they look at what is live."""
         if not self._dead:
             return
         pending_inputs = {v for n in self.graph.nodes() for v in n.inputs()}
@@ -222,10 +235,16 @@ class Client:
             if len(ids) >= FREE_BATCH:
                 self._send(w, {"kind": "free"}, awaited=False)
 
+    def free_later(self, worker: str, vid: int) -> None:
+        """Free value `vid` on `worker` with the next request there (the value of a failed
+        run that nothing will read)."""
+        with self._cv:
+            self.frees[worker].append(vid)
+
     # --- recording hooks (gridgraph.trace.record.Owner) -----------------------------------
 
     def record(self, node: Node, eager: bool) -> None:
-        self._check_open()
+        self.check_open()
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage
         values = self.graph.values
@@ -241,12 +260,12 @@ class Client:
             self.execute(list(node.outputs))
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
-        self._check_open()
+        self.check_open()
         if self.on_sync is not None:
             self.on_sync(f"{node.name}, whose result's shape depends on the data")
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
-        plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
+        plan, _, replies = self._execute(needed, fetch=[], dynamic={node.id})
         node.meta["location"] = plan.placement[node.id]
         for reply in replies.values():
             for _, kind, metas, pyvals in reply.get("dynamic", ()):
@@ -254,12 +273,12 @@ class Client:
         raise GridError(f"worker did not report the result of {node.name}")
 
     def fetch(self, vid: int) -> torch.Tensor:
-        self._check_open()
+        self.check_open()
         if vid in self.prefetched:
             return self.prefetched[vid].clone()
         if self.on_sync is not None:
             self.on_sync("reading a remote value (.item(), bool(), .tolist(), .get(), if p:)")
-        plan, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
+        plan, _, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
         for reply in replies.values():
             for _, tensor in reply.get("returns", ()):
                 return tensor
@@ -270,7 +289,7 @@ class Client:
 
     def execute(self, vids: list[int]) -> None:
         """Run what these values need; they stay on the workers."""
-        self._check_open()
+        self.check_open()
         if self.on_sync is not None:
             self.on_sync("running pointers now (p.compute(), gg.compute, an op outside trace)")
         self._execute(self.graph.needed_for(vids), fetch=[])
@@ -297,15 +316,15 @@ class Client:
 
     def _execute(
         self, needed: set[int], fetch: list[int], dynamic: set[int] = frozenset()
-    ) -> tuple[Plan, dict[str, dict]]:
+    ) -> RunResult:
         with self._lock:
             for vid in fetch:
                 if vid in self.failed:
                     raise self.failed[vid]
-            self._collect_dead()
+            self.release_dead()
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             if not nodes and not fetch:
-                return Plan({}, [], [], {}), {}
+                return RunResult(Plan({}, [], [], {}), [], {})
             for node in nodes:
                 for vid in node.inputs():
                     if vid in self.failed:
@@ -346,7 +365,41 @@ class Client:
             for vid in slots:
                 if vid not in keep:
                     values.pop(vid, None)
-            return plan, replies
+            return RunResult(plan, slots, replies)
+
+    # --- capture and replay (gg.compile, exec/client/compile.py) ---------------------------
+
+    def exclusive(self) -> AbstractContextManager:
+        """Hold this client's run lock (re-entrant): no other thread runs anything on it
+        meanwhile, so what a step reads stays as it was checked.
+
+        >>> with client.exclusive():
+        ...     client.release_dead()
+        """
+        return self._lock
+
+    def run_pending(self, fetch: list[int]) -> RunResult:
+        """Run every pending node as one plan (a step gg.compile records), bringing back the
+        values `fetch` names with the replies.
+
+        >>> plan, slots, replies = client.run_pending(fetch=[loss._vid])
+        """
+        with self._lock:
+            return self._execute(set(self.graph.pending), fetch=fetch)
+
+    def replay(
+        self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str]
+    ) -> dict[str, dict]:
+        """Run a plan recorded by `run_pending` again over new values: `slots` names the
+        value of each slot, `params` the run's parameters, `where` the user's file:line by
+        slot (for errors). Each worker's reply; raises as a run does.
+
+        >>> replies = client.replay(plan, new_slots, params, where)
+        """
+        with self._lock:
+            replies = self._run_plan(plan, slots, params, where)
+            self.last_plan, self.last_slots = plan, slots
+            return replies
 
     def _move_storages(self, moves: dict[int, str]) -> None:
         """Move stored tensors (storage -> worker) straight from worker to worker, keeping
@@ -387,7 +440,7 @@ class Client:
     def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
         """The plan that computing `vids` would run now, without running it (for explain)."""
         with self._lock:
-            self._collect_dead()
+            self.release_dead()
             needed = self.graph.needed_for(vids)
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             place = placement_fn or self.place
@@ -417,8 +470,7 @@ class Client:
         for vid in slots:
             value = self.graph.values.get(vid)
             if vid not in keep and value is not None and value.location is not None:
-                with self._cv:
-                    self.frees[value.location].append(vid)
+                self.free_later(value.location, vid)
 
     def _run_plan(
         self,
@@ -696,7 +748,8 @@ class Client:
 
     # --- lifecycle -------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise GridError if this client is closed."""
         if self.closed:
             raise GridError("this grid is closed")
 

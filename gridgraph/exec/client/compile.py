@@ -66,7 +66,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
-from gridgraph.exec.client.client import CLIENTS, Client, _Cell
+from gridgraph.exec.client.client import CLIENTS, Cell, Client
 from gridgraph.exec.client.guards import (
     aliases,
     alive,
@@ -97,7 +97,7 @@ _recording = threading.local()  # `active`: a compiled step is being recorded on
 # One compiled call at a time: a recording takes every op pending on the client as its step.
 _calls = threading.RLock()
 
-Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
+Source = int | Cell  # where a step reads a tensor: argument index, or the pointer's cell
 
 
 def compile(fn: Callable) -> Compiled:  # noqa: A001 - gg.compile, as torch.compile
@@ -178,13 +178,13 @@ class Compiled:
         if len(owners) > 1:
             raise GridError(f"{self.__name__} takes pointers of two different grids")
         for owner in owners.values():
-            owner._check_open()
+            owner.check_open()
         clients = [c for c in list(CLIENTS) if not c.closed]
         for c in clients:
             c.prefetched.clear()
             if c.graph.pending:
                 c.compute_all()  # the step's plan holds the step's ops only
-            c._collect_dead()
+            c.release_dead()
         start = {c: dict(c.live) for c in clients}
         arg_of = {a._vid: i for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         modules: dict[int, torch.nn.Module] = {}
@@ -226,7 +226,7 @@ class Compiled:
         if len(touched) > 1:
             raise GridError(f"{name} records on two different grids in one step")
         client = touched[0]
-        client._collect_dead()  # pointers that died inside the step are no effect of it
+        client.release_dead()  # pointers that died inside the step are no effect of it
         rec = _Recording(client, start[client], arg_of, flat)
         rec.watched = (list(modules.values()), list(optimizers.values()))
         rec.state = state(rec.watched)
@@ -248,7 +248,7 @@ class _Entry:
 class _Recording:
     """One recorded call of a compiled step, in terms of its plan's slots."""
 
-    def __init__(self, client: Client, start: dict[int, _Cell], arg_of: dict, flat: list):
+    def __init__(self, client: Client, start: dict[int, Cell], arg_of: dict, flat: list):
         self.client = client
         self.reason: str | None = None  # why this call cannot be replayed, if it cannot
         self.nodes = client.graph.nodes()
@@ -360,9 +360,7 @@ class _Recording:
         """Run the whole step as one plan; note its slots, and what each slot becomes."""
         client = self.client
         fetch = [v for v in self.new_returns if self.info[v][0].nbytes <= PREFETCH_BYTES]
-        with client._lock:
-            plan, replies = client._execute(set(client.graph.pending), fetch=fetch)
-            slots = list(client.last_slots)
+        plan, slots, replies = client.run_pending(fetch)
         self.plan: Plan = plan
         for reply in replies.values():
             for slot, tensor in reply.get("returns", ()):
@@ -483,8 +481,8 @@ class _Replay:
     def run(self, flat: list) -> Any:
         """Replay the step, or `_MISS` when its external inputs are not as recorded."""
         rec, client = self.rec, self.rec.client
-        with client._lock:
-            client._collect_dead()
+        with client.exclusive():
+            client.release_dead()
             if client.graph.pending:
                 client.compute_all()
             client.prefetched.clear()
@@ -519,11 +517,10 @@ class _Replay:
             for k, src, _ in self.sources:
                 params[k] = as_sent(src)
             try:
-                replies = client._run_plan(rec.plan, slots, params, rec.where)
+                replies = client.replay(rec.plan, slots, params, rec.where)
             except (RemoteError, WorkerLost) as e:
                 self._settle(flat, slots, storage_at, e)
                 raise
-            client.last_plan, client.last_slots = rec.plan, slots
             result = self._settle(flat, slots, storage_at, None)
             for reply in replies.values():
                 for slot, tensor in reply.get("returns", ()):
@@ -546,7 +543,7 @@ class _Replay:
             if s not in rec.kept:
                 graph.values.pop(slots[s], None)
                 if error is not None and location is not None:
-                    client.frees[location].append(slots[s])
+                    client.free_later(location, slots[s])
         for src, s, reshaped in rec.rebinds:
             cell = flat[src]._cell if type(src) is int else src
             if live.get(cell.vid) is cell:
