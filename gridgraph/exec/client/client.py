@@ -162,6 +162,10 @@ class Client:
         """Whether a worker looks alive (heartbeats on IPFS): a dead one fails at once."""
         return self.requests.alive
 
+    @alive.setter
+    def alive(self, alive: Callable[[str], bool]) -> None:
+        self.requests.alive = alive
+
     # --- pointers --------------------------------------------------------------------------
 
     def make_pointer(self, vid: int, requires_grad: bool = False) -> RemoteTensor:
