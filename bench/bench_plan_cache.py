@@ -53,7 +53,7 @@ def main() -> None:
         needed = client.graph.needed_for([loss._vid])
         needed |= set(client.graph.pending)
         nodes = [client.graph.pending[n] for n in sorted(needed)]
-        client._collect_dead()
+        client.release_dead()
         keep = client._keep(needed, nodes)
         values = client.graph.values
         reps = 50

@@ -121,7 +121,7 @@ class Grid:
         self._stats(reset=True)
 
     def _stats(self, reset: bool) -> dict:
-        self.client._collect_dead()
+        self.client.release_dead()
         per_worker = {}
         messages = bytes_ = 0
         for w in self.client.workers:

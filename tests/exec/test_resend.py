@@ -26,7 +26,8 @@ import torch
 import gridgraph as gg
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
-from gridgraph.exec.client.client import FREE_BATCH, Client
+from gridgraph.exec.client.client import Client
+from gridgraph.exec.client.requests import FREE_BATCH
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.resend import FLOOR, KEYS_KEPT, AnswerTimes
 from gridgraph.exec.safety.limits import Limits
@@ -335,7 +336,7 @@ def test_frees_for_a_session_its_worker_ended_are_not_sent_again():
             with pytest.raises(gg.SessionLost):  # (the batch goes out first, is refused)
                 x * 2
         assert bus.batches == [FREE_BATCH, FREE_BATCH]  # not 512, then 1024
-        assert not grid.client._free_batches
+        assert not grid.client.requests._free_batches
 
 
 def test_frees_for_a_worker_that_looks_gone_wait_until_it_is_back():
@@ -344,16 +345,16 @@ def test_frees_for_a_worker_that_looks_gone_wait_until_it_is_back():
     # (on IPFS) kept their values for good.
     bus, alive = FreeCountingBus(), [True]  # (no worker answers on this bus)
     client = Client(bus.endpoint("client"), ["w0"], retry_after=0.01, alive=lambda w: alive[0])
-    client.frees["w0"] = list(range(FREE_BATCH))
-    client._send("w0", {"kind": "free"}, awaited=False)
+    client.requests.frees["w0"] = list(range(FREE_BATCH))
+    client.requests.send("w0", {"kind": "free"}, awaited=False)
     time.sleep(0.05)  # (past retry_after: lost)
     alive[0] = False
-    client.frees["w0"] = list(range(FREE_BATCH, 2 * FREE_BATCH))
-    client._send("w0", {"kind": "free"}, awaited=False)
+    client.requests.frees["w0"] = list(range(FREE_BATCH, 2 * FREE_BATCH))
+    client.requests.send("w0", {"kind": "free"}, awaited=False)
     assert bus.batches == [FREE_BATCH, FREE_BATCH]  # not 512, then 1024
     alive[0] = True  # heard again
     time.sleep(0.05)  # (both unanswered past retry_after)
-    client._send("w0", {"kind": "ping"}, awaited=False)
+    client.requests.send("w0", {"kind": "ping"}, awaited=False)
     assert bus.batches == [FREE_BATCH, FREE_BATCH, 2 * FREE_BATCH]  # (the ping takes them)
 
 

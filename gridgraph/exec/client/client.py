@@ -4,12 +4,8 @@ State:
     graph      pending nodes and the metadata of every value (gridgraph.trace.graph)
     live       value id -> cell of the pointer that names it now
     failed     value id -> the RemoteError that kept it from being computed
-    frees      per worker, value ids to free, sent with the next request to that worker
-               (under _cv: a reply on the transport's thread may put some back); those of
-               a request refused, or that ends without its reply, go back here
-    batches    the batches of frees sent on their own (once FREE_BATCH ids wait for one
-               worker), unawaited, until their reply: the ids of one lost or refused go
-               back into `frees`, sent with the next request to that worker
+    requests   the requests to the workers, their resends and replies, and the ids waiting
+               to be freed (exec/client/requests.py)
 
 The loop of `execute`: take what the targets need from the pending graph, place it, split it
 into per-worker programs (gridgraph.schedule), send one message per worker, wait for the
@@ -17,21 +13,21 @@ replies, then record where each value now lives and drop what no one needs.
 
 Freed pointers only append to a queue (their weakref callback may run on any thread, any time);
 the queue is drained at the start of the next request, so releases travel in batches.
+
+gg.compile records and replays a step through `run_pending` and `replay`, under `exclusive()`.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 import threading
-import time
 import uuid
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,7 +39,8 @@ from gridgraph.errors import (
     SessionLost,
     WorkerLost,
 )
-from gridgraph.exec import resend, wire
+from gridgraph.exec import wire
+from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.wire import DTYPES
@@ -56,8 +53,6 @@ from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
 
-# A standalone free message goes out once this many releases wait for one worker.
-FREE_BATCH = 512
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 # Error codes of a session that is gone on its worker, with the tensors it held there: its
 # executor was lost, or the session ended (lease, eviction) before a request ran.
@@ -65,7 +60,7 @@ SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
-class _Cell:
+class Cell:
     """The value id a pointer names, and a weak reference that queues the cell when the
     pointer dies (a weakref callback is much cheaper than weakref.finalize)."""
 
@@ -80,15 +75,12 @@ class _Cell:
         self.queue.append(self)
 
 
-@dataclass(slots=True)
-class _FreeBatch:
-    """A batch of frees sent unawaited, until its reply."""
+class RunResult(NamedTuple):
+    """What a run ran: its plan, the value id of each of its slots, each worker's reply."""
 
-    worker: str
-    identity: str | None  # the only endpoint that may answer it
-    ids: list[int]
-    sent_at: float  # time.monotonic()
-    refused: bool = False
+    plan: Plan
+    slots: list[int]
+    replies: dict[str, dict]
 
 
 class Client:
@@ -107,21 +99,23 @@ class Client:
     ) -> None:
         self.transport = transport
         self.workers = list(workers)
-        self.timeout = timeout
-        # Best-effort transports may drop a request or its reply: resend after this long, or
-        # once sooner (`_answer_times`); workers answer a repeated request id from their
-        # reply cache, never run it twice.
-        if not (type(retry_after) in (int, float) and 0 < retry_after < math.inf):
-            raise ValueError(f"retry_after is a positive number of seconds, got {retry_after!r}")
-        self.retry_after = retry_after
-        # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
-        self.alive = alive
-        self.graph = Graph()
         self.session = uuid.uuid4().hex[:12]
         self.topic = client_topic(transport.identity, self.session)
-        self.live: dict[int, _Cell] = {}
+        # Requests to the workers: resent while their replies do not come (timeout,
+        # retry_after and alive are its settings, read and set through this client).
+        self.requests = Requests(
+            transport,
+            self.topic,
+            self.session,
+            workers,
+            timeout=timeout,
+            retry_after=retry_after,
+            alive=alive,
+            lost_values=self._values_on,
+        )
+        self.graph = Graph()
+        self.live: dict[int, Cell] = {}
         self.failed: dict[int, RemoteError] = {}
-        self.frees: dict[str, list[int]] = {w: [] for w in workers}
         self.closed = False
         # The cost model the placement minimises: in-process links by default.
         self.cost = cost or CostModel.local()
@@ -129,10 +123,6 @@ class Client:
         # worker name); a run that cannot fit raises PlacementError before anything is sent.
         self.place = functools.partial(place, cost=self.cost, memory_cap=memory_cap)
         self.plans = PlanCache()
-        # How long each plan's runs, and each kind of request to each worker, took: a small
-        # request whose reply is late by far more is sent again then, once, before
-        # retry_after (exec/resend.py).
-        self._answer_times = resend.AnswerTimes()
         self.last_plan: Plan | None = None  # what the latest run ran (for debugging)
         self.last_slots: list[int] = []  # the value id of each of its slots
         # While gg.compile records a step: called with what is about to need a worker's
@@ -142,32 +132,45 @@ class Client:
         # tensor, until the next compiled step or a recorded write (exec/client/compile.py).
         self.prefetched: dict[int, torch.Tensor] = {}
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
-        self._dead: deque[_Cell] = deque()  # cells of pointers that died, to release
+        self._dead: deque[Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
-        # Request ids: unique within the session (a worker keeps its records per session),
-        # and cheaper than a uuid4 per request, whose os.urandom call also let another
-        # thread take the interpreter lock in the middle of a send.
-        self._request_ids = map("{:x}".format, itertools.count(1))
-        self._replies: dict[str, dict] = {}
-        # request id -> (the identity it is sealed for and only it may answer, payload to
-        # resend, the ids it frees)
-        self._outstanding: dict[str, tuple[str | None, bytes, list[int]]] = {}
-        # request id -> an unawaited batch of frees, until its reply (under _cv)
-        self._free_batches: dict[str, _FreeBatch] = {}
-        self._cv = threading.Condition()
-        # the request ids each waiting call needs (under _cv): a reply wakes a waiter only
-        # once all of its replies are in, so that on a local grid a step's first reply does
-        # not take the interpreter lock from the workers still running it
-        self._waiting: list[set[str]] = []
         self._lock = threading.RLock()  # one execution at a time per client
-        transport.subscribe(self.topic, self._on_reply)
         CLIENTS.add(self)
+
+    # --- settings of the requests ----------------------------------------------------------
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a request may wait for its reply, resends included."""
+        return self.requests.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.requests.timeout = seconds
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds before a request without its reply is first sent again."""
+        return self.requests.retry_after
+
+    @retry_after.setter
+    def retry_after(self, seconds: float) -> None:
+        self.requests.retry_after = seconds
+
+    @property
+    def alive(self) -> Callable[[str], bool]:
+        """Whether a worker looks alive (heartbeats on IPFS): a dead one fails at once."""
+        return self.requests.alive
+
+    @alive.setter
+    def alive(self, alive: Callable[[str], bool]) -> None:
+        self.requests.alive = alive
 
     # --- pointers --------------------------------------------------------------------------
 
     def make_pointer(self, vid: int, requires_grad: bool = False) -> RemoteTensor:
         p = RemoteTensor(self, vid, self.graph.values[vid].meta, requires_grad)
-        cell = _Cell(vid, self._dead)
+        cell = Cell(vid, self._dead)
         cell.ref = weakref.ref(p, cell.died)  # the cell (held in `live`) keeps the ref alive
         p._cell = cell
         self.live[vid] = cell
@@ -177,7 +180,7 @@ class Client:
         """Point `p` at a new version of its tensor (after an in-place op)."""
         cell = p._cell
         self.live.pop(cell.vid, None)
-        self._dead.append(_Cell(cell.vid))  # the old version: free once nothing needs it
+        self._dead.append(Cell(cell.vid))  # the old version: free once nothing needs it
         cell.vid = p._vid = vid
         self.live[vid] = cell
 
@@ -193,8 +196,10 @@ class Client:
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
 
-    def _collect_dead(self) -> None:
-        """Release values whose pointers died, unless pending work still reads them."""
+    def release_dead(self) -> None:
+        """Release values whose pointers died, unless pending work still reads them: their
+        ids go with the next request to their worker (in a batch of their own once many
+        wait). Each run, stats and gg.compile call it before they look at what is live."""
         if not self._dead:
             return
         pending_inputs = {v for n in self.graph.nodes() for v in n.inputs()}
@@ -215,17 +220,17 @@ class Client:
             if value.location is not None:
                 released[value.location].append(vid)
             del self.graph.values[vid]
-        with self._cv:
-            for w, ids in released.items():
-                self.frees[w].extend(ids)
-        for w, ids in self.frees.items():
-            if len(ids) >= FREE_BATCH:
-                self._send(w, {"kind": "free"}, awaited=False)
+        self.requests.free(released)
+
+    def free_later(self, worker: str, vid: int) -> None:
+        """Free value `vid` on `worker` with the next request there (the value of a failed
+        run that nothing will read)."""
+        self.requests.free_later(worker, [vid])
 
     # --- recording hooks (gridgraph.trace.record.Owner) -----------------------------------
 
     def record(self, node: Node, eager: bool) -> None:
-        self._check_open()
+        self.check_open()
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage
         values = self.graph.values
@@ -241,12 +246,12 @@ class Client:
             self.execute(list(node.outputs))
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
-        self._check_open()
+        self.check_open()
         if self.on_sync is not None:
             self.on_sync(f"{node.name}, whose result's shape depends on the data")
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
-        plan, replies = self._execute(needed, fetch=[], dynamic={node.id})
+        plan, _, replies = self._execute(needed, fetch=[], dynamic={node.id})
         node.meta["location"] = plan.placement[node.id]
         for reply in replies.values():
             for _, kind, metas, pyvals in reply.get("dynamic", ()):
@@ -254,12 +259,12 @@ class Client:
         raise GridError(f"worker did not report the result of {node.name}")
 
     def fetch(self, vid: int) -> torch.Tensor:
-        self._check_open()
+        self.check_open()
         if vid in self.prefetched:
             return self.prefetched[vid].clone()
         if self.on_sync is not None:
             self.on_sync("reading a remote value (.item(), bool(), .tolist(), .get(), if p:)")
-        plan, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
+        plan, _, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
         for reply in replies.values():
             for _, tensor in reply.get("returns", ()):
                 return tensor
@@ -270,7 +275,7 @@ class Client:
 
     def execute(self, vids: list[int]) -> None:
         """Run what these values need; they stay on the workers."""
-        self._check_open()
+        self.check_open()
         if self.on_sync is not None:
             self.on_sync("running pointers now (p.compute(), gg.compute, an op outside trace)")
         self._execute(self.graph.needed_for(vids), fetch=[])
@@ -297,15 +302,15 @@ class Client:
 
     def _execute(
         self, needed: set[int], fetch: list[int], dynamic: set[int] = frozenset()
-    ) -> tuple[Plan, dict[str, dict]]:
+    ) -> RunResult:
         with self._lock:
             for vid in fetch:
                 if vid in self.failed:
                     raise self.failed[vid]
-            self._collect_dead()
+            self.release_dead()
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             if not nodes and not fetch:
-                return Plan({}, [], [], {}), {}
+                return RunResult(Plan({}, [], [], {}), [], {})
             for node in nodes:
                 for vid in node.inputs():
                     if vid in self.failed:
@@ -346,7 +351,41 @@ class Client:
             for vid in slots:
                 if vid not in keep:
                     values.pop(vid, None)
-            return plan, replies
+            return RunResult(plan, slots, replies)
+
+    # --- capture and replay (gg.compile, exec/client/compile.py) ---------------------------
+
+    def exclusive(self) -> AbstractContextManager:
+        """Hold this client's run lock (re-entrant): no other thread runs anything on it
+        meanwhile, so what a step reads stays as it was checked.
+
+        >>> with client.exclusive():
+        ...     client.release_dead()
+        """
+        return self._lock
+
+    def run_pending(self, fetch: list[int]) -> RunResult:
+        """Run every pending node as one plan (a step gg.compile records), bringing back the
+        values `fetch` names with the replies.
+
+        >>> plan, slots, replies = client.run_pending(fetch=[loss._vid])
+        """
+        with self._lock:
+            return self._execute(set(self.graph.pending), fetch=fetch)
+
+    def replay(
+        self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str]
+    ) -> dict[str, dict]:
+        """Run a plan recorded by `run_pending` again over new values: `slots` names the
+        value of each slot, `params` the run's parameters, `where` the user's file:line by
+        slot (for errors). Each worker's reply; raises as a run does.
+
+        >>> replies = client.replay(plan, new_slots, params, where)
+        """
+        with self._lock:
+            replies = self._run_plan(plan, slots, params, where)
+            self.last_plan, self.last_slots = plan, slots
+            return replies
 
     def _move_storages(self, moves: dict[int, str]) -> None:
         """Move stored tensors (storage -> worker) straight from worker to worker, keeping
@@ -387,7 +426,7 @@ class Client:
     def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
         """The plan that computing `vids` would run now, without running it (for explain)."""
         with self._lock:
-            self._collect_dead()
+            self.release_dead()
             needed = self.graph.needed_for(vids)
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             place = placement_fn or self.place
@@ -417,8 +456,7 @@ class Client:
         for vid in slots:
             value = self.graph.values.get(vid)
             if vid not in keep and value is not None and value.location is not None:
-                with self._cv:
-                    self.frees[value.location].append(vid)
+                self.free_later(value.location, vid)
 
     def _run_plan(
         self,
@@ -452,16 +490,16 @@ class Client:
             if plan.id not in self._programs_sent[worker]:
                 msg["program"] = plan.programs[worker]
             msgs[worker] = msg
-        rids = {w: self._send(w, msg) for w, msg in msgs.items()}
+        rids = {w: self.requests.send(w, msg) for w, msg in msgs.items()}
         try:
-            replies = self._wait_learning(plan.id if learn_as is None else learn_as, rids)
+            replies = self.requests.wait(plan.id if learn_as is None else learn_as, rids)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
-                w: self._send(w, {**msgs[w], "program": plan.programs[w]})
+                w: self.requests.send(w, {**msgs[w], "program": plan.programs[w]})
                 for w, reply in replies.items()
                 if not reply.get("ok") and reply["error"].get("code") == UNKNOWN_PLAN
             }
-            replies.update(self._wait_all(again) if again else {})
+            replies.update(self.requests.wait_all(again) if again else {})
         except WorkerLost:
             for w in rids:  # unblock the others, which may wait on the lost worker's sends
                 if self.alive(w):
@@ -522,134 +560,7 @@ class Client:
         """Send one request and wait for its reply; raises RemoteError on an error reply."""
         if self.on_sync is not None:
             self.on_sync(f"a {msg['kind']!r} request to {worker} (gg.send, manual_seed, stats)")
-        rid = self._send(worker, msg, counted)
-        reply = self._wait_learning(("request", msg["kind"], worker), {worker: rid})[worker]
-        if not reply.get("ok"):
-            error = reply.get("error", {})
-            if error.get("code") in SESSION_GONE:
-                raise SessionLost(worker, str(error.get("message")))
-            raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
-        return reply
-
-    def _send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
-        """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
-        resending (kept, each stayed for ever, with its reply): its reply only tells whether
-        its ids were freed (`_free_batches`)."""
-        rid = next(self._request_ids)
-        refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
-        with self._cv:  # (another thread's reply may put frees back meanwhile)
-            if refile:
-                self._refile_frees(worker)
-            frees, self.frees[worker] = self.frees[worker], []
-        msg = {**msg, "id": rid, "session": self.session, "free": frees}
-        payload = wire.encode(msg)
-        topic = worker_topic(worker)
-        identity = self.transport.recipient(topic)  # looked up once: the reply must match it
-        if awaited:
-            self._outstanding[rid] = (identity, payload, frees)
-        elif frees:
-            with self._cv:  # (before it is sent: on a local grid the reply may come first)
-                self._free_batches[rid] = _FreeBatch(worker, identity, frees, time.monotonic())
-        self.transport.publish(topic, payload, counted, identity)
-        return rid
-
-    def _refile_frees(self, worker: str) -> None:
-        """Put back into `frees` (under _cv) the ids of the batches of frees to `worker`
-        that were refused, or whose reply has not come within retry_after (lost, most
-        likely: if it was only late, the ids are freed twice, and the second time frees
-        nothing). Left out, a lost batch's values stayed on the worker until the session
-        ended. `_send` calls it only for a worker alive: to one that looks gone (on IPFS, no
-        heartbeat for a while) each batch would carry all the earlier ones again; kept,
-        they go if it comes back."""
-        now = time.monotonic()
-        for rid, batch in list(self._free_batches.items()):
-            if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
-                del self._free_batches[rid]
-                self.frees[worker].extend(batch.ids)
-
-    def _sent(self, rid: str) -> bytes:
-        """The payload of outstanding request `rid`, as sent."""
-        return self._outstanding[rid][1]
-
-    def _wait_learning(self, key: Hashable, rids: dict[str, str]) -> dict[str, dict]:
-        """`_wait_all(rids)`, where `key` names what the requests are (a plan; a kind of
-        request to a worker): a small request is first sent again after what the earlier
-        answers to `key` took, if that is sooner than retry_after (exec/resend.py)."""
-        learned = self._answer_times.wait(key, self.retry_after)
-        early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
-        start = time.monotonic()
-        replies = self._wait_all(rids, early)
-        self._answer_times.observe(key, time.monotonic() - start)
-        return replies
-
-    def _wait_all(
-        self, rids: dict[str, str], early: dict[str, float] | None = None
-    ) -> dict[str, dict]:
-        """The replies to several requests (worker -> request id), resending each while its
-        reply does not come: after `retry_after` s, then after twice as long each time, but
-        first after `early[worker]` s where given (exec/resend.py). All at once: a worker may
-        wait on another's lost request."""
-        start = time.monotonic()
-        retry = {w: self.retry_after for w in rids}
-        due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
-        needed = set(rids.values())
-        with self._cv:
-            self._waiting.append(needed)
-        try:
-            while True:
-                with self._cv:
-                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
-                    if not waiting:
-                        return self._take_replies(rids)
-                # Resent without the lock: a publish may take a while (on IPFS, a call to
-                # Kubo), and every reply, to any waiting thread, is taken under it.
-                now = time.monotonic()
-                for w in waiting:
-                    if not self.alive(w):
-                        raise WorkerLost(w, self._values_on(w))
-                    if now >= due[w]:
-                        identity, payload, _ = self._outstanding[rids[w]]
-                        # ipfs: recovery traffic is not counted: stats do not depend on losses
-                        self.transport.publish(worker_topic(w), payload, False, identity)
-                        retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
-                        due[w] = now + retry[w]
-                if now - start > self.timeout:
-                    raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
-                with self._cv:  # (a reply that came meanwhile is not waited for)
-                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
-                    if waiting:  # (and at least every 0.25 s, to notice a worker gone)
-                        next_due = min(due[w] for w in waiting) - time.monotonic()
-                        self._cv.wait(min(0.25, max(0.0, next_due)))
-        except BaseException:  # (timed out, a worker lost, interrupted)
-            with self._cv:
-                self._put_frees_back(rids)
-            raise
-        finally:
-            with self._cv:
-                self._waiting.remove(needed)
-                for rid in rids.values():
-                    self._outstanding.pop(rid, None)
-                    self._replies.pop(rid, None)
-
-    def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
-        """The replies to `rids`, all in (under _cv). An error names the worker it came
-        from, whatever it says (a hostile or broken one could name another, or none)."""
-        self._put_frees_back(rids)
-        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
-        for w, reply in replies.items():
-            if not reply["ok"]:
-                reply["error"]["worker"] = w
-        return replies
-
-    def _put_frees_back(self, rids: dict[str, str]) -> None:
-        """(under _cv) The frees of the requests among `rids` that freed nothing go with
-        the next request to their worker: those refused (`_freed_nothing`), and those with
-        no reply when their wait ended, which may never have reached it (freeing twice
-        frees nothing)."""
-        for w, rid in rids.items():
-            reply, outstanding = self._replies.get(rid), self._outstanding.get(rid)
-            if outstanding is not None and (reply is None or _freed_nothing(reply)):
-                self.frees[w].extend(outstanding[2])
+        return self.requests.call(worker, msg, counted)
 
     def _values_on(self, worker: str) -> list[str]:
         """Describe the live values stored on `worker`, for WorkerLost."""
@@ -660,43 +571,10 @@ class Client:
                 lost.append(f"%{vid} {tuple(value.meta.shape)} {value.meta.dtype}")
         return lost
 
-    def _on_reply(self, sender: str, payload: bytes) -> None:
-        try:
-            msg = wire.decode(payload)
-        except wire.WireError:
-            return
-        rid = msg.get("re")
-        if msg.get("kind") != "reply" or type(rid) is not str:
-            return
-        msg["ok"] = msg.get("ok") is True  # (a worker may be broken or hostile: what the
-        if not msg["ok"]:  # client reads of an error is made plain data here, once)
-            error = msg.get("error")
-            if not isinstance(error, dict):
-                error = {"message": "a malformed error reply"}  # (_take_replies names its worker)
-            code = error.get("code")
-            error["code"] = code if isinstance(code, str) else None
-            error["refused"] = error.get("refused") is True
-            error["upstream"] = error.get("upstream") is True
-            msg["error"] = error
-        with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
-            batch = self._free_batches.get(rid)
-            if batch is not None:
-                if sender == batch.identity:  # (from the worker it went to, as below)
-                    if _freed_nothing(msg):
-                        batch.refused = True  # its ids go with the next request
-                    else:
-                        self._free_batches.pop(rid, None)
-                return
-            outstanding = self._outstanding.get(rid)
-            if outstanding is None or sender != outstanding[0]:
-                return  # not awaited, or not from the worker the request went to
-            self._replies[rid] = msg
-            if any(needed <= self._replies.keys() for needed in self._waiting):
-                self._cv.notify_all()
-
     # --- lifecycle -------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise GridError if this client is closed."""
         if self.closed:
             raise GridError("this grid is closed")
 
@@ -710,18 +588,8 @@ class Client:
             except (GridError, WorkerLost, SessionLost):  # gone already: nothing to free
                 pass
         self.closed = True
-        with self._cv:
-            self._free_batches.clear()  # (the byes freed everything)
+        self.requests.close()  # (the byes freed everything)
         self.transport.close()
-
-
-def _freed_nothing(reply: dict) -> bool:
-    """Whether the request `reply` answers was refused by a session that goes on, so that
-    its frees must go again (one whose session ended or was lost: its worker freed all)."""
-    if reply.get("ok"):
-        return False
-    error = reply["error"]  # (a map: `_on_reply` saw to it)
-    return bool(error.get("refused")) and error.get("code") not in SESSION_GONE
 
 
 def _dense(meta: TensorMeta) -> bool:

@@ -42,19 +42,18 @@ Policy:
    records join the step's plan.
 
 What replay cannot see: Python state that `fn` reads and that does not reach an op as a
-float or tensor, other than what `_state` guards (modules' settings, parameters, buffers,
-submodules and hooks; optimizers' hyperparameters and parameters) and each read pointer's
-`requires_grad` and hooks, is assumed to stay as it was in the recordings; Python effects
-of `fn` besides its ops do not happen. A float argument is matched by value, so Python
-that picks one (`max(lr, floor)`) passes for it while both recordings picked it. Pointers
-a replay returns are detached (no `grad_fn`): the backward pass ran inside the step, and a
-step that returns a tensor requiring grad without one is not replayed.
+float or tensor, other than what `guards.state` covers (modules' settings, parameters,
+buffers, submodules and hooks; optimizers' hyperparameters and parameters) and each read
+pointer's `requires_grad` and hooks, is assumed to stay as it was in the recordings; Python
+effects of `fn` besides its ops do not happen. A float argument is matched by value, so
+Python that picks one (`max(lr, floor)`) passes for it while both recordings picked it.
+Pointers a replay returns are detached (no `grad_fn`): the backward pass ran inside the
+step, and a step that returns a tensor requiring grad without one is not replayed.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -63,14 +62,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.modules import module as nn_module
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
-from gridgraph.exec.client.client import CLIENTS, Client, _Cell
+from gridgraph.exec.client.client import CLIENTS, Cell, Client
+from gridgraph.exec.client.guards import (
+    aliases,
+    alive,
+    autograd_state,
+    by_identity,
+    flatten,
+    guard,
+    modes,
+    param_sources,
+    referents,
+    same,
+    show,
+    snapshot,
+    state,
+)
 from gridgraph.schedule.plan import Plan, run_params
-from gridgraph.trace.graph import Const, Node
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import trace, user_frame
@@ -85,7 +97,7 @@ _recording = threading.local()  # `active`: a compiled step is being recorded on
 # One compiled call at a time: a recording takes every op pending on the client as its step.
 _calls = threading.RLock()
 
-Source = int | _Cell  # where a step reads a tensor: argument index, or the pointer's cell
+Source = int | Cell  # where a step reads a tensor: argument index, or the pointer's cell
 
 
 def compile(fn: Callable) -> Compiled:  # noqa: A001 - gg.compile, as torch.compile
@@ -124,18 +136,18 @@ class Compiled:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        flat = _flatten([*args, *(kwargs[k] for k in sorted(kwargs))])
+        flat = flatten([*args, *(kwargs[k] for k in sorted(kwargs))])
         key = (
             len(args),
             tuple(sorted(kwargs)),
-            *[_guard(a) for a in flat],
-            _aliases(flat),
-            *_modes(),
+            *[guard(a) for a in flat],
+            aliases(flat),
+            *modes(),
         )
         entry = self._entries.get(key)
         if entry is None:
             # Objects guarded by identity are held, so that no other object takes their id.
-            entry = self._entries[key] = _Entry([a for a in flat if _by_identity(a)])
+            entry = self._entries[key] = _Entry([a for a in flat if by_identity(a)])
             while len(self._entries) > MAX_GUARDS:
                 self._entries.popitem(last=False)
         for replay in entry.replays:
@@ -166,13 +178,13 @@ class Compiled:
         if len(owners) > 1:
             raise GridError(f"{self.__name__} takes pointers of two different grids")
         for owner in owners.values():
-            owner._check_open()
+            owner.check_open()
         clients = [c for c in list(CLIENTS) if not c.closed]
         for c in clients:
             c.prefetched.clear()
             if c.graph.pending:
                 c.compute_all()  # the step's plan holds the step's ops only
-            c._collect_dead()
+            c.release_dead()
         start = {c: dict(c.live) for c in clients}
         arg_of = {a._vid: i for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         modules: dict[int, torch.nn.Module] = {}
@@ -214,11 +226,11 @@ class Compiled:
         if len(touched) > 1:
             raise GridError(f"{name} records on two different grids in one step")
         client = touched[0]
-        client._collect_dead()  # pointers that died inside the step are no effect of it
+        client.release_dead()  # pointers that died inside the step are no effect of it
         rec = _Recording(client, start[client], arg_of, flat)
         rec.watched = (list(modules.values()), list(optimizers.values()))
-        rec.state = _state(rec.watched)
-        rec.referents = _referents(rec.watched)
+        rec.state = state(rec.watched)
+        rec.referents = referents(rec.watched)
         rec.note_effects(result)
         rec.run()
         return result, rec
@@ -236,7 +248,7 @@ class _Entry:
 class _Recording:
     """One recorded call of a compiled step, in terms of its plan's slots."""
 
-    def __init__(self, client: Client, start: dict[int, _Cell], arg_of: dict, flat: list):
+    def __init__(self, client: Client, start: dict[int, Cell], arg_of: dict, flat: list):
         self.client = client
         self.reason: str | None = None  # why this call cannot be replayed, if it cannot
         self.nodes = client.graph.nodes()
@@ -248,14 +260,14 @@ class _Recording:
         self.start = start
         self.start_vid = {id(cell): vid for vid, cell in start.items()}
         self.arg_of = arg_of
-        self.args = [_snapshot(a) for a in flat]
+        self.args = [snapshot(a) for a in flat]
         # The pointer each pointer argument was: one passed on two recordings in a row may
         # also be read by `fn` otherwise (a closure), so a replay takes only that pointer.
         self.arg_cells = {i: a._cell for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         self.params = run_params(self.nodes)
-        self.param_snaps = [_snapshot(p) for p in self.params]
+        self.param_snaps = [snapshot(p) for p in self.params]
         # The user's own tensor behind each local tensor parameter (None for a float).
-        self.param_sources = [s for n in self.nodes for s in _param_sources(n)]
+        self.param_sources = [s for n in self.nodes for s in param_sources(n)]
         self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
                             for n in self.nodes for _ in n.params]  # fmt: skip
         self.watched: tuple[list, list] = ([], [])
@@ -348,9 +360,7 @@ class _Recording:
         """Run the whole step as one plan; note its slots, and what each slot becomes."""
         client = self.client
         fetch = [v for v in self.new_returns if self.info[v][0].nbytes <= PREFETCH_BYTES]
-        with client._lock:
-            plan, replies = client._execute(set(client.graph.pending), fetch=fetch)
-            slots = list(client.last_slots)
+        plan, slots, replies = client.run_pending(fetch)
         self.plan: Plan = plan
         for reply in replies.values():
             for slot, tensor in reply.get("returns", ()):
@@ -377,7 +387,7 @@ class _Recording:
                 if source is None:
                     self._not(f"the step reads %{vid}, which no pointer names")
                 cell = self.arg_cells.get(source) if type(source) is int else source
-                grad = _autograd_state(cell.ref() if cell is not None else None)
+                grad = autograd_state(cell.ref() if cell is not None else None)
                 self.inputs.append((s, source, (meta, location, first, grad)))
         self.kept = frozenset(s for s, v in enumerate(slots) if v in values)
         self.rebinds = [(src, slot_of[v], m) for src, v, m in self.rebinds if v in slot_of]
@@ -404,7 +414,7 @@ def _same_step(a: _Recording, b: _Recording) -> bool:
         and a.effects == b.effects
         and [list(map(id, w)) for w in a.watched] == [list(map(id, w)) for w in b.watched]
         and a.state == b.state
-        and _alive(a.referents)
+        and alive(a.referents)
         and [type(p) for p in a.params] == [type(p) for p in b.params]
     )
 
@@ -418,22 +428,22 @@ class _Replay:
         # Parameters taken from the call's arguments: (param index, argument index, tensor?).
         self.from_args: list[tuple[int, int, bool]] = []
         changed = {i for i, (a, b) in enumerate(zip(previous.args, rec.args))
-                   if a is not None and not _same(a, b)}  # fmt: skip
+                   if a is not None and not same(a, b)}  # fmt: skip
         used: set[int] = set()
         for k, (before, now) in enumerate(zip(previous.param_snaps, rec.param_snaps)):
             src = next(
                 (i for i in sorted(changed)
-                 if _same(rec.args[i], now) and _same(previous.args[i], before)),
+                 if same(rec.args[i], now) and same(previous.args[i], before)),
                 None,
             )  # fmt: skip
             if src is not None:
                 self.from_args.append((k, src, isinstance(rec.params[k], torch.Tensor)))
                 used.add(src)
-            elif not _same(before, now):
+            elif not same(before, now):
                 op, where = rec.param_where[k]
                 raise GridError(
-                    f"gg.compile({name}): {op} recorded at {where} takes {_show(now)}, which "
-                    f"was {_show(before)} on the previous call and is not an argument of "
+                    f"gg.compile({name}): {op} recorded at {where} takes {show(now)}, which "
+                    f"was {show(before)} on the previous call and is not an argument of "
                     f"{name}: a replay would reuse a stale value. Pass the value the op takes "
                     "as an argument (for example a learning rate or a scale), or keep it "
                     "constant. torch.optim.Adam computes its bias correction from a step "
@@ -461,18 +471,18 @@ class _Replay:
             if flat[i]._cell is not cell:
                 return False
         for i, snap in self.fixed:
-            if not _same(snap, _snapshot(flat[i])):
+            if not same(snap, snapshot(flat[i])):
                 return False
         for _, src, meta in self.sources:
             if TensorMeta.of(as_sent(src)) != meta:
                 return False
-        return _state(rec.watched) == rec.state and _alive(rec.referents)
+        return state(rec.watched) == rec.state and alive(rec.referents)
 
     def run(self, flat: list) -> Any:
         """Replay the step, or `_MISS` when its external inputs are not as recorded."""
         rec, client = self.rec, self.rec.client
-        with client._lock:
-            client._collect_dead()
+        with client.exclusive():
+            client.release_dead()
             if client.graph.pending:
                 client.compute_all()
             client.prefetched.clear()
@@ -490,7 +500,7 @@ class _Replay:
                     or value.meta != meta
                     or value.location != location
                     or first_on.setdefault(value.storage, s) != first
-                    or _autograd_state(cell.ref()) != grad
+                    or autograd_state(cell.ref()) != grad
                 ):
                     return _MISS
                 if vid in failed:
@@ -507,11 +517,10 @@ class _Replay:
             for k, src, _ in self.sources:
                 params[k] = as_sent(src)
             try:
-                replies = client._run_plan(rec.plan, slots, params, rec.where)
+                replies = client.replay(rec.plan, slots, params, rec.where)
             except (RemoteError, WorkerLost) as e:
                 self._settle(flat, slots, storage_at, e)
                 raise
-            client.last_plan, client.last_slots = rec.plan, slots
             result = self._settle(flat, slots, storage_at, None)
             for reply in replies.values():
                 for slot, tensor in reply.get("returns", ()):
@@ -534,7 +543,7 @@ class _Replay:
             if s not in rec.kept:
                 graph.values.pop(slots[s], None)
                 if error is not None and location is not None:
-                    client.frees[location].append(slots[s])
+                    client.free_later(location, slots[s])
         for src, s, reshaped in rec.rebinds:
             cell = flat[src]._cell if type(src) is int else src
             if live.get(cell.vid) is cell:
@@ -571,238 +580,3 @@ def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:
     if kind is dict:
         return {k: _build(v, news, flat) for k, v in body}
     return kind(_build(x, news, flat) for x in body)
-
-
-# --- guards and snapshots -------------------------------------------------------------------
-
-
-def _flatten(top: list) -> list:
-    """The arguments, then what the lists, tuples and dicts among them hold (outer levels
-    first): a pointer, tensor or float in a container is guarded and read as an argument."""
-    flat, seen = list(top), set()
-    for a in flat:  # grows as it goes
-        if isinstance(a, (list, tuple, dict)) and id(a) not in seen:
-            seen.add(id(a))
-            flat.extend(a.values() if isinstance(a, dict) else a)
-    return flat
-
-
-_BY_VALUE = (int, bool, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
-
-
-def _by_identity(a: Any) -> bool:
-    """Whether an argument is guarded by identity (an object of the user's)."""
-    return not (
-        a is None
-        or isinstance(a, (torch.Tensor, list, tuple, dict))
-        or type(a) in (float, complex)
-        or type(a) in _BY_VALUE
-    )
-
-
-def _guard(a: Any) -> Any:
-    """What of an argument a recording depends on (its value only where it shapes the ops).
-    A container's items are arguments of their own (`_flatten`): here, its structure."""
-    t = type(a)
-    if isinstance(a, RemoteTensor):
-        value = a._owner.graph.values.get(a._vid)
-        where = (value.meta, value.location) if value is not None else (TensorMeta.of(a), None)
-        return (t, id(a._owner), *where, a.requires_grad)
-    if isinstance(a, torch.Tensor):
-        return (torch.Tensor, TensorMeta.of(a), a.requires_grad)
-    if t is float:
-        return float
-    if t is complex:  # in the plan: 0j and -0j differ
-        return (t, a.real.hex(), a.imag.hex())
-    if a is None or t in _BY_VALUE:
-        return (t, a)
-    if isinstance(a, (tuple, list)):
-        return (t, len(a))
-    if isinstance(a, dict):
-        return (t, tuple(a))
-    return (t, id(a))
-
-
-def _modes() -> tuple:
-    """torch's modes that change what a step records: grad mode (a step with .backward()
-    raises under no_grad), autocast, and the dtype of the tensors it makes."""
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.is_autocast_enabled("cpu"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_default_dtype(),
-    )
-
-
-def _aliases(flat: list) -> tuple[int, ...]:
-    """For each pointer argument, the first argument naming the same value."""
-    first: dict[int, int] = {}
-    return tuple(first.setdefault(a._vid, i) for i, a in enumerate(flat)
-                 if isinstance(a, RemoteTensor))  # fmt: skip
-
-
-class _Snap:
-    """A local tensor's value at a call (a copy): what a recording compares."""
-
-    __slots__ = ("meta", "values")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        sent = as_sent(t)
-        self.meta = TensorMeta.of(sent)
-        self.values = sent.clone()
-
-
-def _snapshot(a: Any) -> Any:
-    """A float (itself) or local tensor (a copy) that may reach an op; else None."""
-    if type(a) is float:
-        return a
-    if isinstance(a, torch.Tensor) and not isinstance(a, RemoteTensor):
-        return _Snap(a)
-    return None
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Bit-for-bit equality of two snapshots (floats: -0.0 is not 0.0, NaN is NaN)."""
-    if type(a) is float and type(b) is float:
-        if a != a or b != b:
-            return a != a and b != b
-        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
-    if type(a) is _Snap and type(b) is _Snap:
-        return a.meta == b.meta and torch.equal(a.values, b.values)
-    return False
-
-
-def _show(snap: Any) -> str:
-    if type(snap) is _Snap:
-        return f"a local tensor of shape {tuple(snap.meta.shape)}"
-    return repr(snap)
-
-
-class _Is:
-    """Equal to another `_Is` of the same live object (identity, without keeping it alive:
-    a replaced parameter may be freed and its id reused)."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, obj: Any) -> None:
-        self.ref = weakref.ref(obj)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Is and (obj := self.ref()) is not None and obj is other.ref()
-
-    __hash__ = None
-
-
-def _identities(objects: Any) -> tuple:
-    """The objects' ids: the same objects while `_referents` of the recording are alive."""
-    return tuple(map(id, objects))
-
-
-def _referents(watched: tuple[list, list]) -> list[weakref.ref]:
-    """Weak references to every object `_state` names by id. While all are alive, an equal
-    id is the same object (ids are reused only once their object is freed), and none of
-    them is kept alive by a recording (a replaced parameter's remote memory is freed)."""
-    modules, optimizers = watched
-    objects = [x for m in modules for d in (m._parameters, m._buffers, m._modules)
-               for x in d.values() if x is not None]  # fmt: skip
-    objects += [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    return [weakref.ref(x) for x in objects]
-
-
-def _alive(referents: list[weakref.ref]) -> bool:
-    return all(r() is not None for r in referents)
-
-
-_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def _settings(m: torch.nn.Module) -> tuple:
-    """A module's plain settings: `training`, `Dropout.p`, `BatchNorm.momentum`, ... (floats
-    bit for bit)."""
-    return tuple(
-        (k, v.hex() if type(v) is float else v)
-        for k, v in vars(m).items()
-        if v is None or type(v) in (bool, int, float, str)
-    )
-
-
-def _state(watched: tuple[list, list]) -> tuple:
-    """The Python state a step's ops depend on that we can see: modules' settings (train or
-    eval mode, `Dropout.p`), parameters, buffers, submodules and hooks (global ones too),
-    and each optimizer's hyperparameters (an LR scheduler changes `lr`) and parameters."""
-    modules, optimizers = watched
-    mods = tuple(
-        (
-            _settings(m),
-            tuple(m._parameters),
-            _identities(m._parameters.values()),
-            tuple(m._buffers),
-            _identities(m._buffers.values()),
-            tuple(m._modules),
-            _identities(m._modules.values()),
-            *(tuple(getattr(m, hooks, ())) for hooks in _MODULE_HOOKS),
-        )
-        for m in modules
-    )
-    groups = tuple(
-        tuple((k, _hyperparameter(v)) for k, v in g.items() if k != "params")
-        + (_identities(g["params"]),)
-        for o in optimizers
-        for g in o.param_groups
-    )
-    hooks = tuple(tuple(getattr(nn_module, f"_global{h}")) for h in _MODULE_HOOKS)
-    return mods, groups, hooks if modules else ()
-
-
-class _Equal:
-    """Equal to another `_Equal` of a local tensor with the same value (a tensor `lr`)."""
-
-    __slots__ = ("snap",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.snap = _Snap(t)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Equal and _same(self.snap, other.snap)
-
-    __hash__ = None
-
-
-def _hyperparameter(v: Any) -> Any:
-    """An optimizer hyperparameter as compared between calls: a local tensor by value (a
-    scheduler fills a tensor `lr` in place), a pointer by identity, the rest as it is."""
-    if isinstance(v, RemoteTensor):
-        return _Is(v)
-    return _Equal(v) if isinstance(v, torch.Tensor) else v
-
-
-def _autograd_state(p: RemoteTensor | None) -> tuple | None:
-    """What autograd does with a pointer a step reads: whether it takes a gradient, and the
-    hooks it runs on it."""
-    if p is None:
-        return None
-    return (
-        p.requires_grad,
-        tuple(p._backward_hooks or ()),
-        tuple(getattr(p, "_post_accumulate_grad_hooks", None) or ()),
-    )
-
-
-def _param_sources(node: Node) -> list[torch.Tensor | None]:
-    """The user's tensor behind each of a node's parameters (None for a float), in the order
-    recording walked its arguments."""
-    found: list[torch.Tensor | None] = []
-
-    def walk(a: Any) -> None:
-        if type(a) is Const:
-            found.append(a.source)
-        elif type(a) is float:
-            found.append(None)
-        elif isinstance(a, list):
-            for x in a:
-                walk(x)
-
-    for a in (*node.args, *node.kwargs.values()):
-        walk(a)
-    return found if len(found) == len(node.params) else [None] * len(node.params)

@@ -12,7 +12,8 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec import wire
-from gridgraph.exec.client.client import FREE_BATCH, Client
+from gridgraph.exec.client.client import Client
+from gridgraph.exec.client.requests import FREE_BATCH
 from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.transport import LocalBus
 
@@ -346,7 +347,7 @@ def test_a_run_on_several_workers_wakes_its_caller_once(local_grid):
             wakes.append(1)
             super().notify_all()
 
-    local_grid.client._cv = CountingCondition()
+    local_grid.client.requests._cv = CountingCondition()
     for _ in range(5):
         with gg.trace():
             c, d = a * 2, b * 3  # one run: a part on each worker, two replies
@@ -392,12 +393,12 @@ def test_an_error_reply_without_an_error_map_raises_a_remote_error(error):
     )
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
         client.request("w0", {"kind": "ping"})
-    rid = client._send("w0", {"kind": "ping"})  # (the reply to a run's request, as a run
-    with client._cv:  # reads it: its error names the worker, not its transport identity)
-        reply = client._take_replies({"w0": rid})["w0"]
+    rid = client.requests.send("w0", {"kind": "ping"})  # (the reply to a run's request, as a run
+    with client.requests._cv:  # reads it: its error names the worker, not its transport identity)
+        reply = client.requests._take_replies({"w0": rid})["w0"]
     assert client._remote_error(reply["error"], []).worker == "w0"
     with pytest.raises(gg.RemoteError, match="malformed error reply"):
-        client._send("w0", {"kind": "free"}, awaited=False)  # (its reply is read too)
+        client.requests.send("w0", {"kind": "free"}, awaited=False)  # (its reply is read too)
         client.request("w0", {"kind": "ping"})
 
 
@@ -408,9 +409,9 @@ def test_an_error_reply_naming_another_worker_names_the_one_that_sent_it():
         lambda rid: {"kind": "reply", "re": rid, "ok": False,
                      "error": {"worker": "w1", "code": "session-ended", "message": "gone"}}
     )  # fmt: skip
-    rid = client._send("w0", {"kind": "ping"})
-    with client._cv:
-        reply = client._take_replies({"w0": rid})["w0"]
+    rid = client.requests.send("w0", {"kind": "ping"})
+    with client.requests._cv:
+        reply = client.requests._take_replies({"w0": rid})["w0"]
     lost = client._remote_error(reply["error"], [])
     assert isinstance(lost, gg.SessionLost) and lost.worker == "w0"
 
@@ -430,8 +431,8 @@ def test_an_error_reply_whose_fields_are_not_plain_raises_a_remote_error(field):
         return reply
 
     client = _client_of_a_worker_answering(reply_to)
-    client.frees["w0"] = [1, 2]
-    client._send("w0", {"kind": "free"}, awaited=False)  # (its reply goes through the same)
+    client.requests.frees["w0"] = [1, 2]
+    client.requests.send("w0", {"kind": "free"}, awaited=False)  # (its reply goes through the same)
     with pytest.raises(gg.RemoteError):
         client.request("w0", {"kind": "ping"})
 
@@ -459,5 +460,5 @@ def test_batches_of_frees_leave_nothing_behind_on_the_client(grid):
             z = x * 2
         gg.compute(z)
         del z
-    assert not grid.client._outstanding and not grid.client._replies
+    assert not grid.client.requests._outstanding and not grid.client.requests._replies
     assert grid.stats()["workers"]["w0"]["objects"] <= stored + FREE_BATCH  # they were freed

@@ -1,0 +1,306 @@
+"""Reliable requests: a client's requests to its workers, their resends, and their replies.
+
+State (under `_cv`: a reply on the transport's thread may change it):
+    frees          per worker, value ids to free, sent with the next request to that worker;
+                   those of a request refused, or that ends without its reply, go back here
+    free batches   the batches of frees sent on their own (once FREE_BATCH ids wait for one
+                   worker), unawaited, until their reply: the ids of one lost or refused go
+                   back into `frees`, sent with the next request to that worker
+    outstanding    request id -> (the identity it is sealed for and only it may answer,
+                   payload to resend, the ids it frees), until its wait ends
+    replies        request id -> its reply, until its waiter takes it
+    waiting        the request ids each waiting call needs
+
+Policy: a request without its reply is sent again after `retry_after` s, then twice as long
+each time (at most 8 times as long), or first sooner where answers to the same kind of
+request came sooner (exec/resend.py); workers answer a repeated request id from their reply
+cache. A reply counts only from the identity its request was sealed for; a waiter wakes once
+all of its replies are in. A worker that `alive` says is gone fails its waits at once.
+
+The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
+to free (`free`, `free_later`); this knows workers by name and value ids as plain numbers,
+nothing of plans or pointers, and asks the client only to describe what a lost worker held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+from gridgraph.errors import GridError, RemoteError, SessionLost, WorkerLost
+from gridgraph.exec import resend, wire
+from gridgraph.exec.protocol import SESSION_GONE, worker_topic
+from gridgraph.exec.transport import Transport
+
+# A standalone free message goes out once this many releases wait for one worker.
+FREE_BATCH = 512
+
+
+@dataclass(slots=True)
+class _FreeBatch:
+    """A batch of frees sent unawaited, until its reply."""
+
+    worker: str
+    identity: str | None  # the only endpoint that may answer it
+    ids: list[int]
+    sent_at: float  # time.monotonic()
+    refused: bool = False
+
+
+class Requests:
+    """The requests of one client session to its workers, and their replies.
+
+    >>> requests = Requests(transport, topic, session, ["w0"], lost_values=lambda w: [])
+    >>> requests.call("w0", {"kind": "ping"})["ok"]
+    True
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        topic: str,
+        session: str,
+        workers: list[str],
+        *,
+        timeout: float = 300.0,
+        retry_after: float = 2.0,
+        alive: Callable[[str], bool] = lambda worker: True,
+        lost_values: Callable[[str], list[str]],
+    ) -> None:
+        self.transport = transport
+        self.session = session
+        self.timeout = timeout
+        # Best-effort transports may drop a request or its reply: resend after this long, or
+        # once sooner (`_answer_times`); workers answer a repeated request id from their
+        # reply cache, never run it twice.
+        if not (type(retry_after) in (int, float) and 0 < retry_after < math.inf):
+            raise ValueError(f"retry_after is a positive number of seconds, got {retry_after!r}")
+        self.retry_after = retry_after
+        # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
+        self.alive = alive
+        # Describes the values a worker held, for WorkerLost (the client knows them).
+        self.lost_values = lost_values
+        self.frees: dict[str, list[int]] = {w: [] for w in workers}
+        # How long each plan's runs, and each kind of request to each worker, took: a small
+        # request whose reply is late by far more is sent again then, once, before
+        # retry_after (exec/resend.py).
+        self._answer_times = resend.AnswerTimes()
+        # Request ids: unique within the session (a worker keeps its records per session),
+        # and cheaper than a uuid4 per request, whose os.urandom call also let another
+        # thread take the interpreter lock in the middle of a send.
+        self._request_ids = map("{:x}".format, itertools.count(1))
+        self._replies: dict[str, dict] = {}
+        # request id -> (the identity it is sealed for and only it may answer, payload to
+        # resend, the ids it frees)
+        self._outstanding: dict[str, tuple[str | None, bytes, list[int]]] = {}
+        # request id -> an unawaited batch of frees, until its reply (under _cv)
+        self._free_batches: dict[str, _FreeBatch] = {}
+        self._cv = threading.Condition()
+        # the request ids each waiting call needs (under _cv): a reply wakes a waiter only
+        # once all of its replies are in, so that on a local grid a step's first reply does
+        # not take the interpreter lock from the workers still running it
+        self._waiting: list[set[str]] = []
+        transport.subscribe(topic, self._on_reply)
+
+    # --- frees -----------------------------------------------------------------------------
+
+    def free(self, released: Mapping[str, list[int]]) -> None:
+        """Free these value ids (worker -> ids) with the next request to each worker; to a
+        worker for which FREE_BATCH or more wait, they go now, in a batch of their own."""
+        with self._cv:
+            for w, ids in released.items():
+                self.frees[w].extend(ids)
+        for w, ids in self.frees.items():
+            if len(ids) >= FREE_BATCH:
+                self.send(w, {"kind": "free"}, awaited=False)
+
+    def free_later(self, worker: str, ids: list[int]) -> None:
+        """Free these value ids with the next request to `worker`, however few."""
+        with self._cv:
+            self.frees[worker].extend(ids)
+
+    def close(self) -> None:
+        """Forget the batches of frees awaiting replies (the session ended: its worker freed
+        all)."""
+        with self._cv:
+            self._free_batches.clear()
+
+    # --- requests --------------------------------------------------------------------------
+
+    def call(self, worker: str, msg: dict, counted: bool = True) -> dict:
+        """Send one request and wait for its reply; raises RemoteError on an error reply."""
+        rid = self.send(worker, msg, counted)
+        reply = self.wait(("request", msg["kind"], worker), {worker: rid})[worker]
+        if not reply.get("ok"):
+            error = reply.get("error", {})
+            if error.get("code") in SESSION_GONE:
+                raise SessionLost(worker, str(error.get("message")))
+            raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
+        return reply
+
+    def send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
+        """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
+        resending (kept, each stayed for ever, with its reply): its reply only tells whether
+        its ids were freed (`_free_batches`)."""
+        rid = next(self._request_ids)
+        refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
+        with self._cv:  # (another thread's reply may put frees back meanwhile)
+            if refile:
+                self._refile_frees(worker)
+            frees, self.frees[worker] = self.frees[worker], []
+        msg = {**msg, "id": rid, "session": self.session, "free": frees}
+        payload = wire.encode(msg)
+        topic = worker_topic(worker)
+        identity = self.transport.recipient(topic)  # looked up once: the reply must match it
+        if awaited:
+            self._outstanding[rid] = (identity, payload, frees)
+        elif frees:
+            with self._cv:  # (before it is sent: on a local grid the reply may come first)
+                self._free_batches[rid] = _FreeBatch(worker, identity, frees, time.monotonic())
+        self.transport.publish(topic, payload, counted, identity)
+        return rid
+
+    def _refile_frees(self, worker: str) -> None:
+        """Put back into `frees` (under _cv) the ids of the batches of frees to `worker`
+        that were refused, or whose reply has not come within retry_after (lost, most
+        likely: if it was only late, the ids are freed twice, and the second time frees
+        nothing). Left out, a lost batch's values stayed on the worker until the session
+        ended. `send` calls it only for a worker alive: to one that looks gone (on IPFS, no
+        heartbeat for a while) each batch would carry all the earlier ones again; kept,
+        they go if it comes back."""
+        now = time.monotonic()
+        for rid, batch in list(self._free_batches.items()):
+            if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
+                del self._free_batches[rid]
+                self.frees[worker].extend(batch.ids)
+
+    def _sent(self, rid: str) -> bytes:
+        """The payload of outstanding request `rid`, as sent."""
+        return self._outstanding[rid][1]
+
+    def wait(self, key: Hashable, rids: dict[str, str]) -> dict[str, dict]:
+        """`wait_all(rids)`, where `key` names what the requests are (a plan; a kind of
+        request to a worker): a small request is first sent again after what the earlier
+        answers to `key` took, if that is sooner than retry_after (exec/resend.py)."""
+        learned = self._answer_times.wait(key, self.retry_after)
+        early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
+        start = time.monotonic()
+        replies = self.wait_all(rids, early)
+        self._answer_times.observe(key, time.monotonic() - start)
+        return replies
+
+    def wait_all(
+        self, rids: dict[str, str], early: dict[str, float] | None = None
+    ) -> dict[str, dict]:
+        """The replies to several requests (worker -> request id), resending each while its
+        reply does not come: after `retry_after` s, then after twice as long each time, but
+        first after `early[worker]` s where given (exec/resend.py). All at once: a worker may
+        wait on another's lost request."""
+        start = time.monotonic()
+        retry = {w: self.retry_after for w in rids}
+        due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
+        needed = set(rids.values())
+        with self._cv:
+            self._waiting.append(needed)
+        try:
+            while True:
+                with self._cv:
+                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
+                    if not waiting:
+                        return self._take_replies(rids)
+                # Resent without the lock: a publish may take a while (on IPFS, a call to
+                # Kubo), and every reply, to any waiting thread, is taken under it.
+                now = time.monotonic()
+                for w in waiting:
+                    if not self.alive(w):
+                        raise WorkerLost(w, self.lost_values(w))
+                    if now >= due[w]:
+                        identity, payload, _ = self._outstanding[rids[w]]
+                        # ipfs: recovery traffic is not counted: stats do not depend on losses
+                        self.transport.publish(worker_topic(w), payload, False, identity)
+                        retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
+                        due[w] = now + retry[w]
+                if now - start > self.timeout:
+                    raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
+                with self._cv:  # (a reply that came meanwhile is not waited for)
+                    waiting = [w for w, rid in rids.items() if rid not in self._replies]
+                    if waiting:  # (and at least every 0.25 s, to notice a worker gone)
+                        next_due = min(due[w] for w in waiting) - time.monotonic()
+                        self._cv.wait(min(0.25, max(0.0, next_due)))
+        except BaseException:  # (timed out, a worker lost, interrupted)
+            with self._cv:
+                self._put_frees_back(rids)
+            raise
+        finally:
+            with self._cv:
+                self._waiting.remove(needed)
+                for rid in rids.values():
+                    self._outstanding.pop(rid, None)
+                    self._replies.pop(rid, None)
+
+    def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
+        """The replies to `rids`, all in (under _cv). An error names the worker it came
+        from, whatever it says (a hostile or broken one could name another, or none)."""
+        self._put_frees_back(rids)
+        replies = {w: self._replies.pop(rid) for w, rid in rids.items()}
+        for w, reply in replies.items():
+            if not reply["ok"]:
+                reply["error"]["worker"] = w
+        return replies
+
+    def _put_frees_back(self, rids: dict[str, str]) -> None:
+        """(under _cv) The frees of the requests among `rids` that freed nothing go with
+        the next request to their worker: those refused (`_freed_nothing`), and those with
+        no reply when their wait ended, which may never have reached it (freeing twice
+        frees nothing)."""
+        for w, rid in rids.items():
+            reply, outstanding = self._replies.get(rid), self._outstanding.get(rid)
+            if outstanding is not None and (reply is None or _freed_nothing(reply)):
+                self.frees[w].extend(outstanding[2])
+
+    def _on_reply(self, sender: str, payload: bytes) -> None:
+        try:
+            msg = wire.decode(payload)
+        except wire.WireError:
+            return
+        rid = msg.get("re")
+        if msg.get("kind") != "reply" or type(rid) is not str:
+            return
+        msg["ok"] = msg.get("ok") is True  # (a worker may be broken or hostile: what the
+        if not msg["ok"]:  # client reads of an error is made plain data here, once)
+            error = msg.get("error")
+            if not isinstance(error, dict):
+                error = {"message": "a malformed error reply"}  # (_take_replies names its worker)
+            code = error.get("code")
+            error["code"] = code if isinstance(code, str) else None
+            error["refused"] = error.get("refused") is True
+            error["upstream"] = error.get("upstream") is True
+            msg["error"] = error
+        with self._cv:  # (with the waiter's clean-up: a late reply is not kept for ever)
+            batch = self._free_batches.get(rid)
+            if batch is not None:
+                if sender == batch.identity:  # (from the worker it went to, as below)
+                    if _freed_nothing(msg):
+                        batch.refused = True  # its ids go with the next request
+                    else:
+                        self._free_batches.pop(rid, None)
+                return
+            outstanding = self._outstanding.get(rid)
+            if outstanding is None or sender != outstanding[0]:
+                return  # not awaited, or not from the worker the request went to
+            self._replies[rid] = msg
+            if any(needed <= self._replies.keys() for needed in self._waiting):
+                self._cv.notify_all()
+
+
+def _freed_nothing(reply: dict) -> bool:
+    """Whether the request `reply` answers was refused by a session that goes on, so that
+    its frees must go again (one whose session ended or was lost: its worker freed all)."""
+    if reply.get("ok"):
+        return False
+    error = reply["error"]  # (a map: `_on_reply` saw to it)
+    return bool(error.get("refused")) and error.get("code") not in SESSION_GONE
