@@ -37,6 +37,15 @@ def test_an_import_cycle_would_be_found():
     assert list(nx.simple_cycles(g))
 
 
+def test_no_module_is_longer_than_one_concern_needs():
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
 def test_exec_keeps_its_modules_in_rooms():
     direct = sorted(p.name for p in (PACKAGE / "exec").glob("*.py"))
     assert len(direct) <= MAX_EXEC_MODULES, direct
