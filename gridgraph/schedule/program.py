@@ -204,14 +204,15 @@ def parse_program(stages: Any, n_slots: int) -> tuple[list[Step], set[int]]:
     list form over `n_slots` slots, every step checked (`parse_step`)."""
     if not isinstance(stages, list) or not all(isinstance(st, list) for st in stages):
         raise MalformedStep("a program is a list of stages, each a list of steps")
-    steps = [parse_step(step, n_slots) for stage in stages for step in stage]
-    params = {p for step in steps if type(step) is Call for p in step.params()}
+    params: set[int] = set()
+    steps = [parse_step(step, n_slots, params) for stage in stages for step in stage]
     return steps, params
 
 
-def parse_step(step: Any, n_slots: int) -> Step:
+def parse_step(step: Any, n_slots: int, params: set[int] | None = None) -> Step:
     """The step a list received says, refused (`MalformedStep`, or `OpRefused` for an op
-    off the allowlist) when it is not well-formed or names a slot beyond `n_slots`."""
+    off the allowlist) when it is not well-formed or names a slot beyond `n_slots`; the
+    parameters a call uses are added to `params`."""
     if not isinstance(step, list) or not step or not isinstance(step[0], str):
         raise MalformedStep(f"malformed step {step!r:.80}")
     kind = step[0]
@@ -229,7 +230,10 @@ def parse_step(step: Any, n_slots: int) -> Step:
         resolve(op)
         call = Call(op, args, kwargs, outs, writes, report)
         for ref in call.refs():
-            if type(ref) is Slot and ref.index >= n_slots:
+            if type(ref) is Param:
+                if params is not None:
+                    params.add(ref.index)
+            elif ref.index >= n_slots:
                 raise MalformedStep(f"step refers to {ref!r}, beyond the program's values")
         if not all(type(s) is int and 0 <= s < n_slots for s in outs):
             raise MalformedStep("call outputs must be slots")
