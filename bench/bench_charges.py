@@ -84,13 +84,14 @@ def measure(label: str) -> dict:
     from gridgraph.exec.safety.limits import WORK_PER_SECOND, data_dependent_footprint
     from gridgraph.exec.worker.ops import RandomState
     from gridgraph.exec.worker.prepare import CompiledCall
+    from gridgraph.schedule.program import Call
 
     cap = 8 << 30
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.set_num_threads(1)
     name, build = CASES[label]
     args, kwargs = eval(build, {"t": torch})  # (the expressions above, nothing else)
-    call = CompiledCall(["call", name, args, kwargs, [0], [], False])
+    call = CompiledCall(Call(name, args, kwargs, [0], [], False))
     charged = call.footprint(args, kwargs) or data_dependent_footprint(call.op, args, kwargs)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()

@@ -33,6 +33,7 @@ import gridgraph as gg
 from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.swarm import local_swarm
 from gridgraph.schedule.plan import Plan
+from gridgraph.schedule.program import Recv, Send
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from multinode_demo import make_step, shards  # noqa: E402
@@ -49,11 +50,11 @@ def hops(plan: Plan) -> int:
         if (worker, stage) not in level:
             at = 1 if stage == 0 else start(worker, stage - 1)  # its run message
             for step in programs[worker][stage]:
-                if step[0] == "recv":
-                    slots, src = list(step[1]), step[2]
+                if type(step) is Recv:
+                    slots, src = list(step.slots), step.worker
                     sent_in = next(
                         i for i, steps in enumerate(programs[src])
-                        if any(s[0] == "send" and s[2] == worker and list(s[1]) == slots
+                        if any(type(s) is Send and s.worker == worker and list(s.slots) == slots
                                for s in steps)
                     )  # fmt: skip
                     at = max(at, start(src, sent_in) + 1)

@@ -61,7 +61,7 @@ import msgpack
 import numpy as np
 import torch
 
-from gridgraph.schedule.plan import Param, Slot
+from gridgraph.schedule.program import Param, Slot
 
 DTYPES = {
     str(d).removeprefix("torch."): d

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from gridgraph.schedule.cost import CostModel, finish_time
 from gridgraph.schedule.plan import Plan
+from gridgraph.schedule.program import Call, Recv
 from gridgraph.trace.graph import Node, Value
 
 # Fill and border colours per worker (tab10, light and dark), cycled.
@@ -47,7 +48,7 @@ def node_stages(nodes: list[Node], placement: Mapping[int, str], plan: Plan) -> 
     """Node id -> the stage of its worker's program that runs it."""
     calls: dict[str, list[int]] = {}
     for w, stages in plan.programs.items():
-        calls[w] = [s for s, steps in enumerate(stages) for step in steps if step[0] == "call"]
+        calls[w] = [s for s, steps in enumerate(stages) for step in steps if type(step) is Call]
     seen: dict[str, int] = {}
     stage = {}
     for node in nodes:  # a worker's calls are its nodes in recording order
@@ -64,8 +65,8 @@ def _transfer_stages(plan: Plan) -> dict[tuple[int, str], int]:
     for w, stages in plan.programs.items():
         for s, steps in enumerate(stages):
             for step in steps:
-                if step[0] == "recv":
-                    found.update(((plan.slots[slot], w), s) for slot in step[1])
+                if type(step) is Recv:
+                    found.update(((plan.slots[slot], w), s) for slot in step.slots)
     return found
 
 

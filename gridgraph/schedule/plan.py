@@ -1,6 +1,7 @@
 """Split a placed graph into per-worker programs: the `Plan` workers run.
 
-A worker's program is a list of steps in one global topological order (recording order):
+A worker's program is a list of steps in one global topological order (recording order),
+grouped into stages (program.py defines the steps, their wire form and their checks):
 
     call  op(args) -> outs       run an ATen op on values it holds
     send  [values] -> worker     push values straight to another worker (never via the client)
@@ -63,22 +64,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from gridgraph.schedule.program import Call, Free, Param, Recv, Return, Send, Slot, Step, to_wire
 from gridgraph.trace.graph import Const, Node, Ref, Value
 from gridgraph.trace.meta import TensorMeta
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A value in a program, by its index in `Plan.slots`."""
-
-    index: int
-
-
-@dataclass(frozen=True, slots=True)
-class Param:
-    """A per-run parameter (a Python float or a local tensor), by index in `Plan.params`."""
-
-    index: int
 
 
 @dataclass(frozen=True)
@@ -95,7 +83,7 @@ class TransferEdge:
 class Plan:
     """What each worker does in one run, grouped into stages; plain data."""
 
-    programs: dict[str, list[list[tuple]]]  # worker -> stages -> steps
+    programs: dict[str, list[list[Step]]]  # worker -> stages -> steps
     slots: list[int]  # value id of each slot (in the run it was compiled for)
     transfers: list[TransferEdge]
     placement: dict[int, str]  # node id -> worker
@@ -117,14 +105,20 @@ class Plan:
         """Per worker, the workers its program sends to or receives from (a run message
         names each one's identity)."""
         return {
-            w: sorted({step[2] for st in stages for step in st if step[0] in ("send", "recv")})
+            w: sorted({s.worker for st in stages for s in st if type(s) is Send or type(s) is Recv})
             for w, stages in self.programs.items()
         }
+
+    @cached_property
+    def wire(self) -> dict[str, list[list[list]]]:
+        """Per worker, its program in the list form a run message carries (program.to_wire):
+        made once, for the first run of each worker and any that must send it again."""
+        return {w: to_wire(stages) for w, stages in self.programs.items()}
 
     @property
     def messages(self) -> int:
         """Transfer messages a run sends between workers: one per `send` step."""
-        return sum(step[0] == "send" for st in self.programs.values() for g in st for step in g)
+        return sum(type(step) is Send for st in self.programs.values() for g in st for step in g)
 
     def __str__(self) -> str:
         lines = []
@@ -132,31 +126,8 @@ class Plan:
             for s, steps in enumerate(self.programs[worker]):
                 if steps:
                     lines.append(f"{worker} stage {s}:")
-                    lines.extend(f"  {_show_step(step)}" for step in steps)
+                    lines.extend(f"  {step}" for step in steps)
         return "\n".join(lines)
-
-
-def _show_step(step: tuple) -> str:
-    kind = step[0]
-    if kind == "call":
-        _, op, args, kwargs, outs, _, _ = step
-        shown = ", ".join(_show_arg(a) for a in args)
-        kw = "".join(f", {k}={_show_arg(v)}" for k, v in kwargs.items())
-        return f"{', '.join(f'%{o}' for o in outs)} = {op}({shown}{kw})"
-    if kind in ("send", "recv"):
-        arrow = "->" if kind == "send" else "<-"
-        return f"{kind} {', '.join(f'%{v}' for v in step[1])} {arrow} {step[2]}"
-    return f"{kind} %{step[1]}"
-
-
-def _show_arg(a: Any) -> str:
-    if type(a) is Slot:
-        return f"%{a.index}"
-    if type(a) is Param:
-        return f"${a.index}"
-    if isinstance(a, list):
-        return "[" + ", ".join(_show_arg(x) for x in a) + "]"
-    return repr(a)
 
 
 @dataclass
@@ -174,8 +145,8 @@ class _Group:
     at: int = -1
     recv_stage: int = 0  # the receiver's stage that takes it
     slots: list[int] = field(default_factory=list)
-    to_row_major: list[tuple] = field(default_factory=list)
-    back: list[tuple] = field(default_factory=list)
+    to_row_major: list[Call] = field(default_factory=list)
+    back: list[Call] = field(default_factory=list)
 
     def add(self, slot: int, at: int, swaps: list[tuple[int, int]]) -> None:
         self.slots.append(slot)
@@ -251,7 +222,7 @@ def split(
     present: dict[str, set[int]] = defaultdict(set)  # values on each worker, copies included
     stage: dict[str, int] = defaultdict(int)  # each worker's current stage
     # worker -> (stage, step); a group's recv stands as its _Group until the end
-    steps: dict[str, list[tuple[int, tuple | _Group]]] = defaultdict(list)
+    steps: dict[str, list[tuple[int, Step | _Group]]] = defaultdict(list)
     groups: list[_Group] = []  # transfer messages, in the order they were opened
     open_group: dict[tuple[str, str, int], _Group] = {}  # (src, dst, src's stage) -> latest
     ready: dict[int, int] = {}  # value id -> index of the call that produced it
@@ -320,7 +291,7 @@ def split(
         at = len(steps[w])
         if not makes_views(node, values):
             busy_at[w].append(at)
-        steps[w].append((s, ("call", node.name, args, kwargs, outs, writes, report)))
+        steps[w].append((s, Call(node.name, args, kwargs, outs, writes, report)))
         for v in node.outputs:
             home[v] = w
             present[w].add(v)
@@ -330,23 +301,23 @@ def split(
 
     for vid in fetch:
         w = where(vid)
-        steps[w].append((stage[w], ("return", b.slot(vid))))
+        steps[w].append((stage[w], Return(b.slot(vid))))
 
     # Each group's send goes right after the latest step that made one of its values current;
     # values laid out otherwise than row-major are transposed around it (see _layout_swaps).
     # Sends at one point go longest chain first, as programs do (see _hops_to_end).
     workers = set(steps) | {g.src for g in groups}
     hops = _hops_to_end({w: stage[w] + 1 for w in workers}, groups)
-    sends: dict[str, dict[int, list[tuple]]] = defaultdict(lambda: defaultdict(list))
+    sends: dict[str, dict[int, list[Step]]] = defaultdict(lambda: defaultdict(list))
     for g in sorted(groups, key=lambda g: -hops[g.dst, g.recv_stage]):
-        sends[g.src][g.at].extend([*g.to_row_major, ("send", g.slots, g.dst), *g.back])
-    stage_lists: dict[str, list[list[tuple]]] = {}
+        sends[g.src][g.at].extend([*g.to_row_major, Send(g.slots, g.dst), *g.back])
+    stage_lists: dict[str, list[list[Step]]] = {}
     for w in sorted(workers, key=lambda w: (-hops[w, 0], w)):
-        stages: list[list[tuple]] = [[] for _ in range(stage[w] + 1)]
+        stages: list[list[Step]] = [[] for _ in range(stage[w] + 1)]
         stages[0].extend(sends[w].get(-1, ()))
         for i, (st, step) in enumerate(steps[w]):
             if type(step) is _Group:
-                stages[st].extend([("recv", step.slots, step.src), *step.back])
+                stages[st].extend([Recv(step.slots, step.src), *step.back])
             else:
                 stages[st].append(step)
             stages[st].extend(sends[w].get(i, ()))
@@ -355,7 +326,7 @@ def split(
         # Copies received from other workers, and whatever no one needs after the run.
         drop = {v for v in present[w] if home.get(v) != w or v not in keep}
         _insert_frees(stages, drop, b)
-    uses = {w: sorted({p for stage in stages for step in stage for p in _params_used(step)})
+    uses = {w: sorted({p for stage in stages for step in stage for p in step.params()})
             for w, stages in stage_lists.items()}  # fmt: skip
     return Plan(
         stage_lists,
@@ -417,9 +388,9 @@ def _layout_swaps(meta: TensorMeta) -> list[tuple[int, int]]:
     return swaps
 
 
-def _transpose(slot: int, i: int, j: int) -> tuple:
+def _transpose(slot: int, i: int, j: int) -> Call:
     """A call step transposing a value in place (metadata only), kept in its own slot."""
-    return ("call", "aten::transpose_", [Slot(slot), i, j], {}, [slot], [], False)
+    return Call("aten::transpose_", [Slot(slot), i, j], {}, [slot], [], False)
 
 
 def _nbytes(values: dict[int, Value], vid: int) -> int:
@@ -427,13 +398,13 @@ def _nbytes(values: dict[int, Value], vid: int) -> int:
     return value.meta.nbytes if value is not None else 0
 
 
-def _insert_frees(stages: list[list[tuple]], drop: set[int], b: _Builder) -> None:
+def _insert_frees(stages: list[list[Step]], drop: set[int], b: _Builder) -> None:
     """Add a `free` step after the last use of each dropped value on this worker."""
     drop_slots = {b.slot_of[v] for v in drop if v in b.slot_of}
     last: dict[int, tuple[int, int]] = {}
     for si, steps in enumerate(stages):
         for i, step in enumerate(steps):
-            for slot in _slots_used(step):
+            for slot in [*step.reads(), *step.defines()]:
                 if slot in drop_slots:
                     last[slot] = (si, i)
     after: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -443,35 +414,5 @@ def _insert_frees(stages: list[list[tuple]], drop: set[int], b: _Builder) -> Non
         out = []
         for i, step in enumerate(steps):
             out.append(step)
-            out.extend(("free", slot) for slot in sorted(after.get((si, i), ())))
+            out.extend(Free(slot) for slot in sorted(after.get((si, i), ())))
         stages[si] = out
-
-
-def call_refs(step: tuple | list) -> list[Slot | Param]:
-    """The slots and parameters a call step's arguments name, in argument order."""
-    found: list[Slot | Param] = []
-    _refs_in(step[2], found)
-    _refs_in(list(step[3].values()), found)
-    return found
-
-
-def _refs_in(obj: Any, out: list) -> None:
-    for a in obj:
-        if type(a) is Slot or type(a) is Param:
-            out.append(a)
-        elif isinstance(a, list):
-            _refs_in(a, out)
-
-
-def _slots_used(step: tuple) -> list[int]:
-    if step[0] == "call":
-        return [r.index for r in call_refs(step) if type(r) is Slot] + list(step[4])
-    if step[0] in ("send", "recv"):
-        return list(step[1])
-    return [step[1]]
-
-
-def _params_used(step: tuple) -> list[int]:
-    if step[0] != "call":
-        return []
-    return [r.index for r in call_refs(step) if type(r) is Param]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gridgraph as gg
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.program import Slot
 from tests.exec import hostile
 
 

@@ -123,5 +123,5 @@ def test_values_leave_as_soon_as_they_are_ready_as_split_sends_them():
     placement = dict(zip((n.id for n in b.nodes), ["w0", "w0", "w1"]))
     assert finish_time(b.nodes, b.values, placement, SIMPLE) == pytest.approx(1e-6 + 5e-3 + 1e-6)
     plan = split(b.nodes, placement, b.values, keep=set())
-    kinds = [step[0] for stage in plan.programs["w0"] for step in stage if step[0] != "free"]
+    kinds = [step.kind for stage in plan.programs["w0"] for step in stage if step.kind != "free"]
     assert kinds == ["call", "send", "call"]  # the send does not wait for the unrelated op

@@ -12,13 +12,14 @@ import gridgraph as gg
 from gridgraph.schedule.cost import CostModel, Timeline
 from gridgraph.schedule.place import naive_placement, place
 from gridgraph.schedule.plan import split
+from gridgraph.schedule.program import Free, Send
 from tests.schedule.graphs import WORKERS, Builder, random_dag
 
 aten = torch.ops.aten
 
 
-def sends(plan, worker: str) -> list[tuple]:
-    return [step for stage in plan.programs[worker] for step in stage if step[0] == "send"]
+def sends(plan, worker: str) -> list[Send]:
+    return [step for stage in plan.programs[worker] for step in stage if type(step) is Send]
 
 
 def test_two_values_from_one_worker_in_one_stage_travel_in_one_message():
@@ -28,7 +29,7 @@ def test_two_values_from_one_worker_in_one_stage_travel_in_one_message():
     plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
     assert len(plan.transfers) == 2 and plan.messages == 1
     [send] = sends(plan, "w0")
-    assert [plan.slots[s] for s in send[1]] == [x.value, y.value] and send[2] == "w1"
+    assert [plan.slots[s] for s in send.slots] == [x.value, y.value] and send.worker == "w1"
     assert "send %0, %1 -> w1" in str(plan) and "recv %0, %1 <- w0" in str(plan)
 
 
@@ -41,7 +42,7 @@ def test_a_value_made_after_the_first_reader_by_real_work_opens_a_new_message():
     plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
     assert plan.messages == 2
     # the first message does not wait for neg: it goes before it
-    kinds = [s[0] for stage in plan.programs["w0"] for s in stage if s[0] != "free"]
+    kinds = [s.kind for stage in plan.programs["w0"] for s in stage if s.kind != "free"]
     assert kinds == ["send", "call", "send"]
 
 
@@ -54,7 +55,7 @@ def test_a_later_view_of_a_value_sent_joins_its_message():
     b(aten.mm.default, wt, b.stored((8, 3), "w1"), pin="w1")
     plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
     assert len(plan.transfers) == 2 and plan.messages == 1
-    kinds = [s[0] for stage in plan.programs["w0"] for s in stage if s[0] != "free"]
+    kinds = [s.kind for stage in plan.programs["w0"] for s in stage if s.kind != "free"]
     assert kinds == ["call", "call", "send", "call"]  # t, then the one send (with swaps)
 
 
@@ -68,8 +69,8 @@ def test_a_write_between_keeps_a_later_view_out_of_the_message():
     b(aten.mm.default, wt, b.stored((8, 3), "w1"), pin="w1")
     plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
     assert plan.messages == 2
-    steps = [s for stage in plan.programs["w0"] for s in stage if s[0] != "free"]
-    assert steps[0][0] == "send" and steps[1][1] == "aten::add_.Tensor"
+    steps = [s for stage in plan.programs["w0"] for s in stage if type(s) is not Free]
+    assert type(steps[0]) is Send and steps[1].op == "aten::add_.Tensor"
 
 
 def test_the_longest_chain_of_hops_starts_first():
@@ -82,7 +83,7 @@ def test_the_longest_chain_of_hops_starts_first():
     plan = split(b.nodes, naive_placement(b.nodes, b.values), b.values, keep=set())
     # the client publishes run messages in this order, and w1 its sends in theirs
     assert list(plan.programs) == ["w1", "w2", "w0"]
-    assert [send[2] for send in sends(plan, "w1")] == ["w2", "w0"]
+    assert [send.worker for send in sends(plan, "w1")] == ["w2", "w0"]
 
 
 @pytest.mark.parametrize("seed", range(4))

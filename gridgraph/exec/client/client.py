@@ -48,6 +48,7 @@ from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
+from gridgraph.schedule.program import Free, Recv, Send, Step
 from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta
 from gridgraph.trace.pointer import RemoteTensor
@@ -413,10 +414,10 @@ class Client:
                 )
             slots.append(vid)
             group[(src, dst)].append(len(slots) - 1)
-        steps: dict[str, list[tuple]] = defaultdict(list)
+        steps: dict[str, list[Step]] = defaultdict(list)
         for (src, dst), moved in group.items():  # one message from each worker to each other
-            steps[src].extend([("send", moved, dst), *(("free", slot) for slot in moved)])
-            steps[dst].append(("recv", moved, src))
+            steps[src].extend([Send(moved, dst), *(Free(slot) for slot in moved)])
+            steps[dst].append(Recv(moved, src))
         plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
         plan.id = self.plans.new_id()  # run once, never cached
         self._run_plan(plan, slots, [], learn_as="storage move")
@@ -488,14 +489,14 @@ class Client:
             if plan.peers_of[worker]:
                 msg["peers"] = {w: self.identity_of(w) for w in plan.peers_of[worker]}
             if plan.id not in self._programs_sent[worker]:
-                msg["program"] = plan.programs[worker]
+                msg["program"] = plan.wire[worker]
             msgs[worker] = msg
         rids = {w: self.requests.send(w, msg) for w, msg in msgs.items()}
         try:
             replies = self.requests.wait(plan.id if learn_as is None else learn_as, rids)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
-                w: self.requests.send(w, {**msgs[w], "program": plan.programs[w]})
+                w: self.requests.send(w, {**msgs[w], "program": plan.wire[w]})
                 for w, reply in replies.items()
                 if not reply.get("ok") and reply["error"].get("code") == UNKNOWN_PLAN
             }

@@ -43,7 +43,18 @@ from gridgraph.exec.worker.ops import (
 )
 from gridgraph.exec.worker.session import RequestError
 from gridgraph.exec.worker.store import ObjectStore
-from gridgraph.schedule.plan import Param, Slot, call_refs
+from gridgraph.schedule.program import (
+    Call,
+    Free,
+    MalformedStep,
+    Param,
+    Recv,
+    Return,
+    Send,
+    Slot,
+    Step,
+    parse_program,
+)
 from gridgraph.trace.allowlist import resolve
 
 CALL_STEP_BYTES = 1024  # a prepared call step (CompiledCall), about; see held_bytes
@@ -51,31 +62,33 @@ FOOTPRINTS_KEPT = 8  # per program and per call step: footprints remembered, by 
 
 
 class Program:
-    """A checked program: every step well-formed, every slot and parameter in range."""
+    """A checked program: every step well-formed, every slot and parameter in range.
+
+    `stages` is the program as it came, in list form; its steps are read once, here
+    (program.parse_program), into the step classes everything after reads."""
 
     def __init__(self, stages: Any, n_slots: int, nbytes: int) -> None:
-        if not isinstance(stages, list) or not all(isinstance(st, list) for st in stages):
-            raise RequestError("a program is a list of stages, each a list of steps")
-        self.steps = [step for stage in stages for step in stage]
+        try:
+            self.steps, self.params = parse_program(stages, n_slots)
+        except MalformedStep as e:
+            raise RequestError(str(e)) from e
         self.n_slots = n_slots
-        # What keeping it costs its session, roughly: its decoded steps, not the bytes it
-        # came in (an empty list is 1 byte on the wire and 64 in memory).
-        self.nbytes = max(nbytes, held_bytes(self.steps))
-        self.params: set[int] = set()
-        for step in self.steps:
-            _check_step(step, n_slots, self.params)
         # The workers it sends to or receives from: a run names each one's identity.
-        self.workers = {step[2] for step in self.steps if step[0] in ("send", "recv")}
+        self.workers = {s.worker for s in self.steps if type(s) is Send or type(s) is Recv}
         # Each call step prepared once (its op resolved, its arguments turned into
         # accessors), so a run does no name lookup and no per-argument type dispatch.
         self.calls: dict[int, CompiledCall] = {
-            i: CompiledCall(step) for i, step in enumerate(self.steps) if step[0] == "call"
+            i: CompiledCall(step) for i, step in enumerate(self.steps) if type(step) is Call
         }
+        # What keeping it costs its session, roughly: its decoded steps, not the bytes it
+        # came in (an empty list is 1 byte on the wire and 64 in memory).
+        raw = [step for stage in stages for step in stage]
+        self.nbytes = max(nbytes, held_bytes(raw) + CALL_STEP_BYTES * len(self.calls))
         # Walked on meta before a run: all its steps. After each recv: the steps up to the
         # next recv (each step in one such stretch, so what they remember stays in
         # proportion to the program).
         self.whole = Stretch(self.steps, self.calls, 0, len(self.steps))
-        recvs = [i for i, step in enumerate(self.steps) if step[0] == "recv"]
+        recvs = [i for i, step in enumerate(self.steps) if type(step) is Recv]
         # How long each recv step waited in earlier runs, by step index (exec/resend.py).
         self.recv_times = resend.AnswerTimes()
         self.after_recv = {
@@ -101,15 +114,17 @@ class Stretch:
     more than most small ops do.
     """
 
-    def __init__(self, steps: list, calls: dict[int, CompiledCall], start: int, stop: int) -> None:
+    def __init__(
+        self, steps: list[Step], calls: dict[int, CompiledCall], start: int, stop: int
+    ) -> None:
         self.steps, self.calls, self.start, self.stop = steps, calls, start, stop
         defined: set[int] = set()
         self.inputs: list[int] = []  # slots read before these steps define them
         for step in steps[start:stop]:
-            for slot in _reads(step):
+            for slot in step.reads():
                 if slot not in defined and slot not in self.inputs:
                     self.inputs.append(slot)
-            defined.update(_defines(step))
+            defined.update(step.defines())
         # (input metas, params) -> (bytes at peak, work, {call step: (bytes, work)})
         self._footprints: OrderedDict[tuple, tuple] = OrderedDict()
 
@@ -133,7 +148,7 @@ class CompiledCall:
     arguments a template whose slot and parameter positions are filled per run.
 
     Nothing here is generated source: the op comes from `resolve` (the allowlist), and the
-    slot and parameter indices filled in, which `_check_step` checked to be in range, are
+    slot and parameter indices filled in, which `parse_step` checked to be in range, are
     data (`slot_args`) or closed over (`fills`).
     """
 
@@ -141,8 +156,9 @@ class CompiledCall:
                  "filled", "outs", "writes", "report", "n_returns", "one_out",
                  "threads_matter_from", "_footprints")  # fmt: skip
 
-    def __init__(self, step: list) -> None:
-        _, name, args, kwargs, outs, writes, report = step
+    def __init__(self, step: Call) -> None:
+        name, args, kwargs = step.op, step.args, step.kwargs
+        outs, writes, report = step.outs, step.writes, step.report
         self.name = name
         self.op = resolve(name)
         self.run = runner(self.op)  # (session rng, args, kwargs) -> result; see ops.py
@@ -204,8 +220,8 @@ class CompiledCall:
 
 def held_bytes(value: Any) -> int:
     """Bytes a decoded message value holds, roughly: each container its own size and a
-    pointer per element, each string its length, and a prepared call step (its fillers
-    and template) CALL_STEP_BYTES."""
+    pointer per element, each string its length. (A program adds CALL_STEP_BYTES for each
+    prepared call step: its fillers and template.)"""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
@@ -213,8 +229,6 @@ def held_bytes(value: Any) -> int:
         if t is list or t is dict:
             total += 64 + 8 * len(v)
             stack.extend(v.values() if t is dict else v)
-            if t is list and v and v[0] == "call":
-                total += CALL_STEP_BYTES
         elif t is str or t is bytes:
             total += 49 + len(v)
         else:
@@ -313,10 +327,10 @@ def _footprint(stretch: Stretch, inputs: dict[int, torch.Tensor], params: dict) 
     steps = stretch.steps
     for i in range(stretch.start, stretch.stop):
         step = steps[i]
-        kind = step[0]
-        if kind == "call":
-            _, name, args, kwargs, outs, writes, _report = step
-            known = all(type(r) is Param or r.index in metas for r in call_refs(step))
+        kind = type(step)
+        if kind is Call:
+            args, kwargs, outs, writes = step.args, step.kwargs, step.outs, step.writes
+            known = all(type(r) is Param or r.index in metas for r in step.refs())
             footprint = None
             if known:
                 resolved = [_meta_arg(a, metas, meta_params) for a in args]
@@ -343,13 +357,13 @@ def _footprint(stretch: Stretch, inputs: dict[int, torch.Tensor], params: dict) 
             for path, slot in writes:
                 t = at_path(resolved, kw, path)
                 bind(slot, t if isinstance(t, torch.Tensor) else None)
-        elif kind == "recv":
-            for slot in step[1]:
+        elif kind is Recv:
+            for slot in step.slots:
                 bind(slot, None)  # counted when it arrives, against the inbox
-        elif kind == "free":
-            bind(step[1], None)
-        elif kind == "return" and step[1] in metas:  # the reply holds a copy
-            t = metas[step[1]]
+        elif kind is Free:
+            bind(step.slot, None)
+        elif kind is Return and step.slot in metas:  # the reply holds a copy
+            t = metas[step.slot]
             now += t.numel() * t.element_size()
             peak = max(peak, now)
     return peak, work, ops
@@ -396,85 +410,3 @@ def at_path(args: list, kwargs: dict, path: Any) -> Any:
     if isinstance(path, list):  # (argument, index in a tensor list)
         return at_path(args, kwargs, path[0])[path[1]]
     return args[path] if type(path) is int else kwargs[path]
-
-
-def _reads(step: list) -> list[int]:
-    if step[0] == "call":
-        return [r.index for r in call_refs(step) if type(r) is Slot]
-    if step[0] == "send":
-        return list(step[1])
-    if step[0] in ("return", "free"):
-        return [step[1]]
-    return []
-
-
-def _defines(step: list) -> list[int]:
-    if step[0] == "call":
-        return [*step[4], *(slot for _, slot in step[5])]
-    if step[0] == "recv":
-        return list(step[1])
-    return []
-
-
-def _check_step(step: Any, n_slots: int, params: set[int]) -> None:
-    """Reject a malformed step before any step of its program runs."""
-    if not isinstance(step, list) or not step or not isinstance(step[0], str):
-        raise RequestError(f"malformed step {step!r:.80}")
-    kind = step[0]
-    if kind == "call":
-        if (
-            len(step) != 7
-            or not isinstance(step[2], list)
-            or not isinstance(step[3], dict)
-            or not all(isinstance(k, str) for k in step[3])
-            or not isinstance(step[4], list)
-            or not isinstance(step[5], list)
-        ):
-            raise RequestError("a call step is [call, op, args, kwargs, outs, writes, report]")
-        resolve(step[1])
-        for ref in call_refs(step):
-            if type(ref) is Param:
-                params.add(ref.index)
-            elif ref.index >= n_slots:
-                raise RequestError(f"step refers to {ref!r}, beyond the program's values")
-        if not all(type(s) is int and 0 <= s < n_slots for s in step[4]):
-            raise RequestError("call outputs must be slots")
-        for w in step[5]:
-            if not (
-                isinstance(w, list)
-                and len(w) == 2
-                and _is_path(w[0])
-                and type(w[1]) is int
-                and 0 <= w[1] < n_slots
-                and w[1] in step[4]
-            ):
-                raise RequestError("call writes must be [argument path, output slot] pairs")
-        if step[4] and len(step[4]) < len(step[5]):
-            raise RequestError("a call writes more slots than it has outputs")
-    elif kind in ("send", "recv"):
-        if (
-            len(step) != 3
-            or not isinstance(step[1], list)
-            or not step[1]
-            or not all(type(s) is int for s in step[1])
-            or not isinstance(step[2], str)
-        ):
-            raise RequestError(f"a {kind} step is [{kind}, [slot, ...], worker]")
-        if not all(0 <= s < n_slots for s in step[1]):
-            raise RequestError(f"{kind} of a slot beyond the program's values")
-        if len(set(step[1])) != len(step[1]):
-            raise RequestError(f"a {kind} step names a slot twice")
-    elif kind in ("free", "return"):
-        if len(step) != 2 or type(step[1]) is not int or not 0 <= step[1] < n_slots:
-            raise RequestError(f"a {kind} step is [{kind}, slot]")
-    else:
-        raise RequestError(f"unknown step kind {kind!r}")
-
-
-def _is_path(path: Any) -> bool:
-    """An argument path: a position, a keyword, or [path, index] into a tensor list."""
-    if type(path) is int:
-        return path >= 0
-    if isinstance(path, str):
-        return True
-    return isinstance(path, list) and len(path) == 2 and _is_path(path[0]) and type(path[1]) is int

@@ -39,6 +39,7 @@ from gridgraph.exec.worker.ops import (
 )
 from gridgraph.exec.worker.prepare import CompiledCall, Program, at_path
 from gridgraph.exec.worker.session import RequestError, Session
+from gridgraph.schedule.program import Call, Free, Recv, Return, Send, Step
 from gridgraph.trace.allowlist import OpRefused
 
 
@@ -317,24 +318,24 @@ class Run:
             try:
                 if time.monotonic() > deadline:
                     raise TimeLimitExceeded(limits.max_request_seconds)
-                kind = step[0]
-                if kind == "call":
+                kind = type(step)
+                if kind is Call:
                     report = self.call(program.calls[i], checked.get(i), ahead.get(i))
                     if report is not None:
                         dynamic.append(report)
                     if check_memory:  # a sum of running counts: no walk over the store
-                        limits.check_memory(self.s.memory(), step[1])
-                elif kind == "send":
-                    self.send(step[1], step[2])
-                elif kind == "recv":
-                    self.recv(step[1], step[2], program.recv_times, i)
+                        limits.check_memory(self.s.memory(), step.op)
+                elif kind is Free:
+                    self.s.store.free(self.slots[step.slot])
+                elif kind is Send:
+                    self.send(step.slots, step.worker)
+                elif kind is Recv:
+                    self.recv(step.slots, step.worker, program.recv_times, i)
                     # the steps up to the next recv, from what is stored now (`Stretch`)
                     stretch = program.after_recv[i]
                     ahead = stretch.footprint(self.s.store, self.slots, self.params)[2]
-                elif kind == "free":
-                    self.s.store.free(self.slots[step[1]])
-                elif kind == "return":
-                    returns.append([step[1], self.value(step[1])])
+                elif kind is Return:
+                    returns.append([step.slot, self.value(step.slot)])
             except Exception as e:
                 return self.fail(program.steps, i, e)
         return {"returns": returns, "dynamic": dynamic}
@@ -459,27 +460,26 @@ class Run:
         for slot, tensor in zip(slots, tensors):
             self.store(slot, tensor)
 
-    def fail(self, steps: list, index: int, error: Exception) -> dict:
+    def fail(self, steps: list[Step], index: int, error: Exception) -> dict:
         """Report the failure, tell waiting workers, and undo what this run stored."""
         step = steps[index]
         for later in steps[index:]:
-            if later[0] == "send":  # every value of the group waits for this one message
-                self._transfer(later[1], later[2], error=f"failed on {self.w.name}")
+            if type(later) is Send:  # every value of the group waits for this one message
+                self._transfer(later.slots, later.worker, error=f"failed on {self.w.name}")
         for vid in self.created:
             self.s.store.free(vid)
         upstream = isinstance(error, UpstreamFailed)
+        what = step.op if type(step) is Call else step.kind
         if not upstream:
-            log.warning(
-                "%s: %s failed: %s", self.w.name, step[1] if step[0] == "call" else step[0], error
-            )
+            log.warning("%s: %s failed: %s", self.w.name, what, error)
         tb = traceback.format_exception_only(type(error), error)
         frames = traceback.extract_tb(error.__traceback__)[-3:]
         return {
             "ok": False,
             "error": {
                 "worker": self.w.name,
-                "op": step[1] if step[0] == "call" else step[0],
-                "slot": step[4][0] if step[0] == "call" and step[4] else None,
+                "op": what,
+                "slot": step.outs[0] if type(step) is Call and step.outs else None,
                 "message": "".join(tb).strip(),
                 "traceback": "".join(traceback.format_list(frames)),
                 "upstream": upstream,

@@ -30,7 +30,7 @@ from gridgraph.exec.ipfs.kubo import Kubo, KuboError
 from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, pack_blocks
 from gridgraph.exec.protocol import worker_topic
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.program import Slot
 from tests.exec.ipfs.fixtures import Raw, Tap, WorkerProcess, start_workers, stop_all
 
 pytestmark = pytest.mark.ipfs

@@ -14,7 +14,7 @@ import torch
 
 import gridgraph as gg
 from gridgraph.exec.safety.kernel_checks import KernelArgumentRefused, checked_arguments
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.program import Slot
 from gridgraph.trace.allowlist import resolve
 from tests.exec import hostile
 from tests.exec.local_peer import Peer

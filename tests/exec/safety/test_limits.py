@@ -30,7 +30,7 @@ from gridgraph.exec.safety.limits import (
 )
 from gridgraph.exec.worker import ops, prepare
 from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
-from gridgraph.schedule.plan import Param, Slot
+from gridgraph.schedule.program import Param, Slot
 from gridgraph.trace.allowlist import resolve
 from tests.exec import hostile
 from tests.exec.hostile import run

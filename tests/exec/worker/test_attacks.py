@@ -28,7 +28,7 @@ from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.transport import pack_blocks, sealed_blocks
 from gridgraph.exec.protocol import worker_topic
 from gridgraph.exec.safety.limits import Limits
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.program import Slot
 from tests.exec import local_peer
 from tests.exec.hostile import Peer, call, frame, run, tensor_ref
 

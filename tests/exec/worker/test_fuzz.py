@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from gridgraph.exec import wire
-from gridgraph.schedule.plan import Param, Slot
+from gridgraph.schedule.program import Param, Slot
 from tests.exec.hostile import call, run
 from tests.exec.worker.arena import Arena, local_arena
 

@@ -15,7 +15,7 @@ import torch
 import gridgraph as gg
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker import prepare, session, worker
-from gridgraph.schedule.plan import Param, Slot
+from gridgraph.schedule.program import Call, Param, Slot
 from tests.exec import hostile
 from tests.exec.local_peer import Peer
 
@@ -193,7 +193,7 @@ def test_a_call_keeps_the_footprints_it_used_last_not_the_first_it_met(monkeypat
     meta_runs = []
     footprint = prepare.op_footprint
     monkeypatch.setattr(prepare, "op_footprint", lambda *a: meta_runs.append(1) or footprint(*a))
-    call = prepare.CompiledCall(hostile.call("aten::mul.Tensor", [Slot(0), Slot(0)], [1]))
+    call = prepare.CompiledCall(Call("aten::mul.Tensor", [Slot(0), Slot(0)], {}, [1], [], False))
     usual = torch.randn(4)
     others = [torch.randn(5 + i) for i in range(prepare.FOOTPRINTS_KEPT)]
 

@@ -21,7 +21,7 @@ from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.worker.worker import Worker
-from gridgraph.schedule.plan import Slot
+from gridgraph.schedule.program import Slot
 from tests.exec import hostile
 from tests.exec.local_peer import Peer, add_one_in_place, second_client
 
