@@ -14,6 +14,7 @@ import torch
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client.client import Client
+from gridgraph.exec.isolation import executor
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
@@ -201,7 +202,10 @@ def local_grid(
     limits = limits or Limits.unlimited()
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
-    workers = [Worker(name, bus.endpoint(name), limits=limits, isolate=isolate) for name in names]
+    isolation = executor.Isolation() if isolate else None
+    workers = [
+        Worker(name, bus.endpoint(name), limits=limits, isolation=isolation) for name in names
+    ]
     client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
 
     def stop_workers() -> None:

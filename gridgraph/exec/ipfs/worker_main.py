@@ -96,8 +96,9 @@ def _serve_as_worker(
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
     # Executors fork from a server that imports torch first: start it now, not on a client's
     # first request (pings, as `connect` sends, are answered without it meanwhile).
-    if isolate:
-        threading.Thread(target=executor.prewarm, daemon=True).start()
+    isolation = executor.Isolation() if isolate else None
+    if isolation is not None:
+        isolation.prewarm()
     # Refuse a name another running worker announces: two would answer the same requests.
     listening = time.monotonic()
     if stop.wait(1.5 * heartbeat):
@@ -115,7 +116,7 @@ def _serve_as_worker(
         transport,
         recv_timeout=recv_timeout,
         limits=limits,
-        isolate=isolate,
+        isolation=isolation,
         peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
     )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)

@@ -43,10 +43,10 @@ import msgpack
 
 from gridgraph.exec import wire
 from gridgraph.exec.isolation import cgroups, sandbox
-from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.protocol import is_name
 from gridgraph.exec.safety.limits import GiB, LimitExceeded, Limits
 from gridgraph.exec.worker.run import UpstreamFailed, answer, transfer_key
-from gridgraph.exec.worker.session import Session
+from gridgraph.exec.worker.session import ExecutorLost, Session
 
 log = logging.getLogger("gridgraph.executor")
 
@@ -82,12 +82,6 @@ READ_SIZE = INLINE_MAX + 1024
 _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
 
 
-class ExecutorLost(Exception):
-    """A session's executor is gone; `str(e)` says why."""
-
-    code = SESSION_LOST
-
-
 @cache
 def _context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
@@ -105,6 +99,26 @@ def prewarm() -> None:
 
 def _nothing() -> None:
     pass
+
+
+class Isolation:
+    """How a worker runs each session in an executor process of its own (it is the worker's
+    `Isolation`: the worker hands this requests and never imports this module)."""
+
+    def prewarm(self) -> None:
+        """Start the forkserver now, in the background (see `prewarm`)."""
+        threading.Thread(target=prewarm, daemon=True).start()
+
+    def start(
+        self,
+        worker: str,
+        session: str,
+        limits: Limits,
+        recv_timeout: float,
+        places: threading.BoundedSemaphore,
+    ) -> Executor:
+        """A new executor for `session`, in one of the worker's `places`."""
+        return Executor(worker, session, limits, recv_timeout, places)
 
 
 class Executor:

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-from gridgraph.exec.protocol import is_name
+from gridgraph.exec.protocol import SESSION_LOST, is_name
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -57,6 +57,12 @@ class RequestError(Exception):
     def __init__(self, message: str, code: str = "refused") -> None:
         super().__init__(message)
         self.code = code
+
+
+class ExecutorLost(Exception):
+    """A session's executor process is gone, and what it held with it; `str(e)` says why."""
+
+    code = SESSION_LOST
 
 
 class Record:

@@ -32,9 +32,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from gridgraph.exec import wire
-from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import (
     ALREADY_SERVED,
     MAX_CLIENT_KEY,
@@ -65,7 +65,7 @@ from gridgraph.exec.worker.run import (
     resend_wait,
     transfer_key,
 )
-from gridgraph.exec.worker.session import RequestError, Session
+from gridgraph.exec.worker.session import ExecutorLost, RequestError, Session
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -87,6 +87,38 @@ ENDED_KEPT = 64
 ENDED_PEERS = 1024
 
 
+class SessionExecutor(Protocol):
+    """A process that holds one session's state and runs its requests (isolation/)."""
+
+    lost: str | None  # why it ended, once it has
+
+    def request(self, payload: bytes, held: int, worker: Any, session: Session) -> bytes:
+        """Serve one request (`payload` as received); the reply, encoded."""
+
+    def close(self) -> None:
+        """End the process and free its place."""
+
+
+class Isolation(Protocol):
+    """How a worker runs each session's programs in a process of its own: isolation/'s
+    `executor.Isolation`, which the worker's creator passes in (the worker never imports
+    the isolation room, which runs this room's `answer` in its processes)."""
+
+    def prewarm(self) -> None:
+        """Get ready to start processes, in the background."""
+
+    def start(
+        self,
+        worker: str,
+        session: str,
+        limits: Limits,
+        recv_timeout: float,
+        places: threading.BoundedSemaphore,
+    ) -> SessionExecutor:
+        """A process for `session`, in one of the worker's `places` (LimitExceeded if none
+        is free)."""
+
+
 class Worker:
     """A gridgraph worker on one transport endpoint."""
 
@@ -96,7 +128,7 @@ class Worker:
         transport: Transport,
         *,
         limits: Limits | None = None,
-        isolate: bool = False,
+        isolation: Isolation | None = None,
         recv_timeout: float = 120.0,
         peer_alive: Callable[[str], bool] = lambda name: True,
     ) -> None:
@@ -104,10 +136,10 @@ class Worker:
         self.transport = transport
         self.limits = limits or Limits()
         # Run each session's programs in an executor process of its own (isolation/executor.py).
-        self.isolate = isolate
+        self.isolation = isolation
         self._executor_places = threading.BoundedSemaphore(self.limits.max_executors)
-        if isolate:
-            threading.Thread(target=executor.prewarm, daemon=True).start()
+        if isolation is not None:
+            isolation.prewarm()
         self.recv_timeout = recv_timeout
         # Whether another worker still answers (heartbeats on IPFS): a recv from a dead one
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
@@ -509,7 +541,7 @@ class Worker:
                 try:  # the executor holds the tensors: it counts them
                     done = wire.decode(session.executor.request(payload, 0, self, session))
                     freed = int(done.get("freed", 0))
-                except (executor.ExecutorLost, wire.WireError, ValueError, TypeError):
+                except (ExecutorLost, wire.WireError, ValueError, TypeError):
                     pass
             freed += self._forget(session)
             log.info("%s: client %s freed %d tensors", self.name, session.key, freed)
@@ -519,13 +551,13 @@ class Worker:
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
             session.name_workers(peers.values())
-        if not self.isolate or session.executor is None and kind in ("ping", "free", "stats"):
+        if self.isolation is None or session.executor is None and kind in ("ping", "free", "stats"):
             # (before its executor starts, a session holds nothing: these need none)
             reply = answer(self, session, msg, len(payload))
         else:
             try:
                 if session.executor is None:
-                    session.executor = executor.Executor(
+                    session.executor = self.isolation.start(
                         self.name,
                         session.key,
                         self.limits,
@@ -542,8 +574,8 @@ class Worker:
                     f"nothing ran, try again"
                 )
                 reply = encode_reply(self.name, rid, error_body(self.name, error))
-            except executor.ExecutorLost as e:
-                lost = executor.ExecutorLost(
+            except ExecutorLost as e:
+                lost = ExecutorLost(
                     f"this client's session on worker {self.name} was lost: its executor "
                     f"process ended because {e}; the tensors it held here are gone"
                 )

@@ -19,6 +19,7 @@ import gridgraph as gg
 from gridgraph.exec import wire
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
+from gridgraph.exec.isolation import executor
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.worker.worker import Worker
 from gridgraph.schedule.program import Slot
@@ -254,8 +255,9 @@ def test_a_recv_takes_only_the_transfer_of_the_identity_the_client_names(isolate
     client's next runs before the client runs anything: w0 uses none of them, and they, under
     the same keys and earlier, do not keep it from taking box-1's."""
     bus = LocalBus()
-    workers = [Worker("w0", bus.endpoint("w0"), isolate=isolate),
-               Worker("w1", bus.endpoint("box-1"), isolate=isolate)]  # fmt: skip
+    isolation = executor.Isolation() if isolate else None
+    workers = [Worker("w0", bus.endpoint("w0"), isolation=isolation),
+               Worker("w1", bus.endpoint("box-1"), isolation=isolation)]  # fmt: skip
     client = Client(bus.endpoint("alice"), ["w0", "w1"])
     with Grid(client, on_close=lambda: [w.close() for w in workers]) as grid:
         w0, w1 = grid.workers
