@@ -1,54 +1,23 @@
 """The wire format: msgpack envelopes, tensors as dtype + shape + raw bytes.
 
-A message is framed as
+A message is [4 bytes: length n of the msgpack header] [msgpack header] [zero padding]
+[tensor data from offset align64(4 + n), each tensor 64-byte aligned]. A tensor in the
+header is only `[dtype, shape, offset, nbytes]` pointing into the data region: its bytes are
+copied once when a message is built. A message of one large tensor is read as a view of the
+buffer; the tensors of a message of several are copied out, each into memory of its own (a
+view would keep every other tensor's bytes alive, uncounted); small ones of the dtypes numpy
+shares are copied as they are read, through numpy, which releases the interpreter lock.
 
-    [4 bytes: length n of the msgpack header] [msgpack header] [zero padding]
-    [tensor data, from offset align64(4 + n); each tensor at a 64-byte aligned offset]
-
-The header is a msgpack map; a tensor in it is only `[dtype, shape, offset, nbytes]`
-pointing into the data region, so tensor bytes are copied once when a message is built and,
-in a message of one large tensor (a large `send`), never again when it is read: that tensor
-is a view of the received buffer. The tensors of a message of several are copied out of
-it, each into memory of its own: as views, any one kept would keep all the others' bytes
-alive, uncounted (a client kept a tensor of 4 bytes and freed the rest). Tensors of at most
-COPY_BELOW bytes, of the dtypes numpy shares, are always copied as they are read, into
-memory torch allocates (`resize_` can grow it): one torch call instead of two for
-a view copied later (see `_NUMPY`).
-
-Tensors are packed by reading their memory where it lies, and those of the dtypes numpy
-shares (all but bfloat16) unpacked through numpy, without torch calls: each of those
-releases the interpreter lock (see `_NUMPY`).
-
-Nothing received is unpickled, evaluated or imported. Every non-msgpack value travels as an
-extension type that decodes to a plain value from a fixed table:
-
-    1 Slot(k)      2 Param(k)     3 tensor      4 dtype     5 device ("cpu" only)
-    6 memory format / layout      7 complex
-
-Nothing received is trusted. The receiver refuses (with `WireError`, before anything uses
-the message):
-- a message longer than `max_bytes` (the caller's limit: the worker passes its
-  `max_message_bytes`), whose header is longer than MAX_HEADER_BYTES, or that holds more
-  than MAX_TENSORS tensors. Decoding allocates Python objects for the header: an empty map
-  is 1 byte on the wire and about 70 in memory, a tensor 14 and about 1,000, so these two
-  caps are what bound a message's memory growth at decode (a 7 MB header of tensors over
-  the same bytes grew a worker by 551 MB);
-- a tensor whose byte count does not match its shape and dtype, that lies outside the data
-  region, or whose offset is not 64-byte aligned;
-- a tensor of more than MAX_DIMS dimensions (a 4-element tensor of 60,000 made a sum the
-  time estimate saw as 4 elements run for seconds; torch's own kernels take 64 at most);
-- two tensors over the same bytes (an in-place write to one would change the other), or a
-  data region larger than its tensors and their alignment padding (its bytes would stay
-  in memory with the tensors, uncounted: a 4-byte tensor in a 15 MiB region). Tensors
-  whose bytes add up to more than the region overlap for sure: refused at the first one
-  past it, before it is read or copied (16,384 tensors over one 64 KiB region made 1 GiB
-  of copies before the overlap check that follows the header);
-- a bool tensor with a byte other than 0 or 1 (kernels assume one or the other).
-
-Kernels need tensors aligned for their dtype (a misaligned complex128 crashes some): offsets
-are 64-byte aligned within the message, and when the buffer itself is not aligned for the
-largest dtype (as a slice of a network read can be) the data region is copied once into
-fresh, aligned memory rather than viewed.
+Nothing received is unpickled, evaluated or imported: every non-msgpack value is an
+extension type from a fixed table (1 Slot, 2 Param, 3 tensor, 4 dtype, 5 device ("cpu"
+only), 6 memory format / layout, 7 complex). Nothing received is trusted: `decode` refuses
+with `WireError`, before anything uses the message, a message over the caller's limit, a
+header over MAX_HEADER_BYTES or with more than MAX_TENSORS tensors (what bounds the memory
+decoding takes), a tensor whose size does not match its shape and dtype, that lies outside
+the data region or is misaligned, or has more than MAX_DIMS dimensions, two tensors over the
+same bytes, a data region larger than its tensors and padding, and a bool tensor holding a
+byte other than 0 or 1. A buffer not aligned for the largest dtype is copied once into
+aligned memory (kernels need aligned tensors).
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Split a placed graph into per-worker programs: the `Plan` workers run.
 
-A worker's program is a list of steps in one global topological order (recording order),
-grouped into stages (program.py defines the steps, their wire form and their checks):
-
-    call  op(args) -> outs       run an ATen op on values it holds
-    send  [values] -> worker     push values straight to another worker (never via the client)
-    recv  [values] <- worker     wait for such a message
-    free  value                  drop a value after its last use here
-    return value                 send a value back to the client with the reply
+A worker's program is a list of steps (call, send, recv, free, return: program.py defines
+them, their wire form and their checks) in one global topological order (recording order),
+grouped into stages. Values go straight from worker to worker, never via the client.
 
 Coalesced transfers: everything a worker sends one other worker from one of its stages
 travels in one message, one `send` step naming several values, and the receiver takes all of
-them with one `recv` step, placed at the first of its ops that reads one of them.
-
-When a group is sent. A value is current at the last step of its sender that made it so:
-the call that produced it, or the last write to its storage recorded before its reader
-(writes run where their storage lives, so they are all on the sender). The group's `send`
-goes right after the latest step that made one of its values current. A value made current
-in the sender's stage S joins the sender's latest group to that receiver for stage S if
-  (a) it is current before the group's first reader R in recording order, or
-  (b) the sender runs only views (calls that make tensors sharing an input's storage and
-      write nothing) between the group's send and the step that makes the value current:
-      a view recorded later, of a weight sent earlier, costs no extra message;
-else it opens a new group. So:
-  - every value is captured with the contents its reader must see. No write to its storage
-    comes between the step that made it current and its reader. In case (a) the send comes
-    before R, hence before any write recorded after any reader of the group; in case (b)
-    nothing but views runs between a value's capture and the send;
-  - within one stage of the sender, grouping delays a value by the sender's own ops only,
-    and in case (b) by none.
-No deadlock: every worker runs its steps in the one global order, and a `send` never waits.
-Take a `recv` at global position g: every `recv` its sender meets before the awaited `send`
-is at a position before g (in case (a) the send itself comes before g; case (b) adds no
-`recv` between). So if a worker were blocked forever at a `recv`, its sender would be blocked
-at an earlier one, and so on down a strictly decreasing chain of positions: impossible, as
-the first step of the global order waits for nothing. A value in case (b) reaches its
-receiver before that receiver's op that reads it, as a recv precedes every reader.
+them with one `recv` step, placed at the first of its ops that reads one of them. When a
+group is sent, and why no worker can wait for ever, is in `split`'s docstring.
 
 A transfer carries values in row-major order: a value laid out otherwise (a transposed
 view) is transposed in place to row-major order around its send and back after its recv,
@@ -214,6 +186,30 @@ def split(
     use); `fetch`: value ids returned to the client; `dynamic`: ids of data-dependent nodes,
     whose result metadata the worker reports; `slots`: the slot order to use (the plan
     cache's canonical order), else slots are numbered as values are met.
+
+    When a group is sent. A value is current at the last step of its sender that made it so:
+    the call that produced it, or the last write to its storage recorded before its reader
+    (writes run where their storage lives, so they are all on the sender). The group's `send`
+    goes right after the latest step that made one of its values current. A value made current
+    in the sender's stage S joins the sender's latest group to that receiver for stage S if
+      (a) it is current before the group's first reader R in recording order, or
+      (b) the sender runs only views (calls that make tensors sharing an input's storage and
+          write nothing) between the group's send and the step that makes the value current:
+          a view recorded later, of a weight sent earlier, costs no extra message;
+    else it opens a new group. So:
+      - every value is captured with the contents its reader must see. No write to its storage
+        comes between the step that made it current and its reader. In case (a) the send comes
+        before R, hence before any write recorded after any reader of the group; in case (b)
+        nothing but views runs between a value's capture and the send;
+      - within one stage of the sender, grouping delays a value by the sender's own ops only,
+        and in case (b) by none.
+    No deadlock: every worker runs its steps in the one global order, and a `send` never waits.
+    Take a `recv` at global position g: every `recv` its sender meets before the awaited `send`
+    is at a position before g (in case (a) the send itself comes before g; case (b) adds no
+    `recv` between). So if a worker were blocked forever at a `recv`, its sender would be blocked
+    at an earlier one, and so on down a strictly decreasing chain of positions: impossible, as
+    the first step of the global order waits for nothing. A value in case (b) reaches its
+    receiver before that receiver's op that reads it, as a recv precedes every reader.
     """
     b = _Builder()
     for vid in slots or ():

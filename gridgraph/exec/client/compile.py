@@ -1,54 +1,20 @@
 """`gg.compile(fn)`: a step recorded through `gg.trace()`, then replayed without its Python.
 
 State, per compiled function: `_entries`, keyed by the guard of a call's arguments (their
-types; a pointer's shape, dtype, location and grid; a local tensor's metadata; ints, bools,
-strings and shapes by value; what lists, tuples and dicts hold, as arguments of their own;
-other objects by identity, held so that their ids stay theirs; torch's grad mode, autocast
-and default dtype), each holding the latest recording made under that guard and the
-replays built from it (at most `MAX_REPLAYS`).
+types; a pointer's shape, dtype, location and grid; a local tensor's metadata; plain values
+by value; containers by what they hold; other objects by identity; torch's grad mode,
+autocast and default dtype), each holding the latest recording made under that guard and
+the replays built from it (at most `MAX_REPLAYS`).
 
-Policy:
-1. A call whose guard has a replay whose checks pass (the same modules with the same
-   settings (train/eval mode, `Dropout.p`), parameters, buffers, submodules and hooks; the
-   same optimizer hyperparameters and parameters; the values of the arguments it froze;
-   the pointer arguments it pinned; external inputs with the shapes, locations, aliasing,
-   `requires_grad` and hooks recorded) is replayed:
-   fresh value ids for what the step makes, one run message per worker naming the cached
-   plan (workers run the programs they keep), then the pointers are rebound and attached as
-   the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
-2. Any other call is recorded: pending work is run first, `fn` runs under `gg.trace()`, and
-   the whole step runs as one plan (small returned tensors come back with its replies, so
-   reading the loss costs no message). The recording notes what the step reads (argument i,
-   or the pointer that held it at the start), which pointers it rebinds (in-place updates),
-   which new pointers it attaches (`.grad` of a leaf, set by autograd) and what it returns.
-3. Two consecutive recordings under one guard that ran the same plan (the plan cache gave
-   them one id: same ops, shapes, locations and aliasing) with the same effects make a
-   replay. A first step that creates state (grads, optimizer buffers) differs from the next,
-   so replays start once the step is steady (the third call for SGD with momentum).
-4. Floats and local tensors reaching the ops are compared between the two recordings. One
-   equal to a float or tensor argument in both, where that argument changed, is that
-   argument; one equal in both is a constant. One that changed and is no argument is state
-   outside `fn` (Adam's bias correction from its CPU step counter): `GridError` naming the op
-   and line, never a replay of a stale value. Arguments that did not change, or reach the
-   ops only through Python arithmetic, are frozen: another value records again. A pointer
-   argument that was the same pointer in both recordings is pinned the same way (`fn` may
-   also read it otherwise, through a closure).
-5. Refused while recording, with `GridError` naming the user's line: reading a remote value
-   in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
-   sending tensors inside `fn`. Pointers of two grids in one step are refused too.
-6. Compiled calls run one at a time, whatever the thread (a recording takes every op
-   pending on the client as its step); another thread's request or read during a recording
-   is its own (not refused). Ops that another thread records on the same grid while a step
-   records join the step's plan.
-
-What replay cannot see: Python state that `fn` reads and that does not reach an op as a
-float or tensor, other than what `guards.state` covers (modules' settings, parameters,
-buffers, submodules and hooks; optimizers' hyperparameters and parameters) and each read
-pointer's `requires_grad` and hooks, is assumed to stay as it was in the recordings; Python
-effects of `fn` besides its ops do not happen. A float argument is matched by value, so
-Python that picks one (`max(lr, floor)`) passes for it while both recordings picked it.
-Pointers a replay returns are detached (no `grad_fn`): the backward pass ran inside the
-step, and a step that returns a tensor requiring grad without one is not replayed.
+Policy: a call whose guard has a replay whose checks pass (guards.py: modules, optimizers,
+frozen arguments, pinned pointers, external inputs as recorded) is replayed through the
+client's `replay`: one run message per worker naming the cached plan, and nothing of `fn`
+runs, is recorded or placed. Any other call is recorded (`run_pending`): `fn` runs under
+`gg.trace()` and the step runs as one plan. Two consecutive recordings under one guard that
+ran the same plan with the same effects make a replay; floats and local tensors that differ
+between them are the step's arguments, or state outside `fn` (refused with `GridError`,
+never replayed stale). `Compiled`'s docstring says what is refused while recording, and what
+a replay cannot see. Compiled calls run one at a time, whatever the thread.
 """
 
 from __future__ import annotations
@@ -120,7 +86,51 @@ def compile(fn: Callable) -> Compiled:  # noqa: A001 - gg.compile, as torch.comp
 
 class Compiled:
     """A compiled step: call it as `fn`. `recordings` and `replays` count the calls of each
-    kind; `not_replayable` says why the latest recording cannot be replayed, if it cannot."""
+    kind; `not_replayable` says why the latest recording cannot be replayed, if it cannot.
+
+    Policy:
+    1. A call whose guard has a replay whose checks pass (the same modules with the same
+       settings (train/eval mode, `Dropout.p`), parameters, buffers, submodules and hooks; the
+       same optimizer hyperparameters and parameters; the values of the arguments it froze;
+       the pointer arguments it pinned; external inputs with the shapes, locations, aliasing,
+       `requires_grad` and hooks recorded) is replayed:
+       fresh value ids for what the step makes, one run message per worker naming the cached
+       plan (workers run the programs they keep), then the pointers are rebound and attached as
+       the recorded call left them. Nothing of `fn` runs, nothing is recorded, nothing is placed.
+    2. Any other call is recorded: pending work is run first, `fn` runs under `gg.trace()`, and
+       the whole step runs as one plan (small returned tensors come back with its replies, so
+       reading the loss costs no message). The recording notes what the step reads (argument i,
+       or the pointer that held it at the start), which pointers it rebinds (in-place updates),
+       which new pointers it attaches (`.grad` of a leaf, set by autograd) and what it returns.
+    3. Two consecutive recordings under one guard that ran the same plan (the plan cache gave
+       them one id: same ops, shapes, locations and aliasing) with the same effects make a
+       replay. A first step that creates state (grads, optimizer buffers) differs from the next,
+       so replays start once the step is steady (the third call for SGD with momentum).
+    4. Floats and local tensors reaching the ops are compared between the two recordings. One
+       equal to a float or tensor argument in both, where that argument changed, is that
+       argument; one equal in both is a constant. One that changed and is no argument is state
+       outside `fn` (Adam's bias correction from its CPU step counter): `GridError` naming the op
+       and line, never a replay of a stale value. Arguments that did not change, or reach the
+       ops only through Python arithmetic, are frozen: another value records again. A pointer
+       argument that was the same pointer in both recordings is pinned the same way (`fn` may
+       also read it otherwise, through a closure).
+    5. Refused while recording, with `GridError` naming the user's line: reading a remote value
+       in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
+       sending tensors inside `fn`. Pointers of two grids in one step are refused too.
+    6. Compiled calls run one at a time, whatever the thread (a recording takes every op
+       pending on the client as its step); another thread's request or read during a recording
+       is its own (not refused). Ops that another thread records on the same grid while a step
+       records join the step's plan.
+
+    What replay cannot see: Python state that `fn` reads and that does not reach an op as a
+    float or tensor, other than what `guards.state` covers (modules' settings, parameters,
+    buffers, submodules and hooks; optimizers' hyperparameters and parameters) and each read
+    pointer's `requires_grad` and hooks, is assumed to stay as it was in the recordings; Python
+    effects of `fn` besides its ops do not happen. A float argument is matched by value, so
+    Python that picks one (`max(lr, floor)`) passes for it while both recordings picked it.
+    Pointers a replay returns are detached (no `grad_fn`): the backward pass ran inside the
+    step, and a step that returns a tensor requiring grad without one is not replayed.
+    """
 
     def __init__(self, fn: Callable) -> None:
         functools.update_wrapper(self, fn)
