@@ -27,6 +27,7 @@ from torch import nn
 
 import gridgraph as gg
 from gridgraph.exec.worker import run as worker_run
+from gridgraph.schedule.program import Call
 
 
 class RunTimer:
@@ -44,7 +45,7 @@ class RunTimer:
             t = time.perf_counter()
             out = execute(run, program, unchecked)
             timer.seconds += time.perf_counter() - t
-            timer.ops += sum(step[0] == "call" for step in program.steps)
+            timer.ops += sum(type(step) is Call for step in program.steps)
             return out
 
         worker_run.Run.execute = timed

@@ -19,11 +19,9 @@ DISCOVERY_TOPIC = "gridgraph.discovery"
 _WORKER_PREFIX = "gridgraph.worker."
 _CLIENT_PREFIX = "gridgraph.client."
 
-# Requests a client sends a worker (each gets exactly one reply), and the messages that are
-# not requests: workers' transfers to each other, a receiver's ask to resend one, and a
-# client's word that it gave up on a run.
+# Requests a client sends a worker: each gets exactly one reply. (The other messages a worker
+# hears: "transfer" from another worker, "resend" asking for one again, "abort" of a run.)
 REQUEST_KINDS = frozenset({"put", "run", "free", "stats", "seed", "bye", "ping"})
-NOT_REQUESTS = frozenset({"transfer", "resend", "abort"})
 
 # Error codes an error reply may carry ("refused" when none is more specific).
 REFUSED = "refused"

@@ -27,8 +27,9 @@ well-formed or names a slot beyond the program's values, or a call whose op is n
 workers' allowlist (`OpRefused`), before any step of it runs: a worker takes programs from
 whoever sends them.
 
-Steps are made here only: plan.split and the client build them with these classes, and
-nothing else reads a step by position.
+This module is the only definition of a step: plan.split and the client's storage moves
+build steps from these classes, the worker gets them from `parse_program`, and nothing reads
+a step by position.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The op vocabulary of the graph: the ATen overloads a worker will run, by name, by category.
 
 Policy: an allowlist. A worker runs an op only if its overload name is listed here
-(exec/worker/ops.py enforces this on the worker); the recorder (trace/record.py) asks
-`refusal` before it records a call, and decomposes any other op into listed ones with
-PyTorch's own decompositions (torch._decomp), or refuses it at the call.
+(`resolve`, which a worker calls on every op of a program it receives); the recorder
+(trace/record.py) asks `refusal` before it records a call, and decomposes any other op into
+listed ones with PyTorch's own decompositions (torch._decomp), or refuses it at the call.
 
 The list is the ops that reach `__torch_dispatch__` when PyTorch's OpInfo samples run
 (`scripts/collect_dispatch_ops.py`), reviewed by hand into CATEGORIES; REFUSED says why

@@ -55,8 +55,6 @@ from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
 
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
-# Error codes of a session that is gone on its worker, with the tensors it held there: its
-# executor was lost, or the session ended (lease, eviction) before a request ran.
 # Every client of this process (gg.compile looks for the ones a step records on).
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 

@@ -76,7 +76,7 @@ INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
 SHRINK_PAST = 1 << 20  # a shared file is emptied after a message larger than this
 FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
 # What one read of the pipe asks for: a whole frame with inline data (its other fields are
-# two names of at most session.MAX_NAME characters and a few numbers), and under the size
+# two names of at most protocol.MAX_NAME characters and a few numbers), and under the size
 # past which malloc maps (and unmaps) each buffer.
 READ_SIZE = INLINE_MAX + 1024
 _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
@@ -410,7 +410,7 @@ def _recv_frame(frame: list) -> bool:
 #                                                 ["recv-error", "upstream" | "timeout", text];
 #                                                 ask_after: when to ask `peer` to send it
 #                                                 again (run.resend_wait bounds it)
-#     (`peer`: the identity the run's client named for that worker, session.py)
+#     (`peer`: the identity the run's client named for that worker, run.py)
 #     ["exit"]
 
 

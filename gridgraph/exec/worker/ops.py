@@ -1,14 +1,14 @@
 """Which ATen ops a worker will run, and how it runs one call.
 
-Threat model: any peer may name any op with any arguments. A worker resolves an op by name
-(`aten::add.Tensor`) only if it is on the allowlist (gridgraph/trace/allowlist.py: the op
-vocabulary of the graph, by category), so no private, unsafe, sparse-constructor, test or
-process-state op is callable. After each op, the worker checks its result with
-`check_view`: every element a result's (sizes, strides, storage offset) reaches lies inside
-its storage. Ops that return uninitialised memory (`empty_like`, ...) have their result
-zero-filled, so no client reads bytes another client freed. Ops whose CPU kernels index
-with their arguments unchecked (embedding, pooling backward, batch norm, ctc_loss, ...) have
-them checked before they run (kernel_checks.py).
+Threat model: any peer may name any op with any arguments. An op is resolved by name
+(`aten::add.Tensor`) only if it is on the allowlist (`allowlist.resolve`, when a program
+arrives: gridgraph/trace/allowlist.py, the op vocabulary of the graph, by category), so no
+private, unsafe, sparse-constructor, test or process-state op is callable. After each op,
+the worker checks its result with `check_view`: every element a result's (sizes, strides,
+storage offset) reaches lies inside its storage. Ops that return uninitialised memory
+(`empty_like`, ...) have their result zero-filled, so no client reads bytes another client
+freed. Ops whose CPU kernels index with their arguments unchecked (embedding, pooling
+backward, batch norm, ctc_loss, ...) have them checked before they run (kernel_checks.py).
 
 Random ops draw from the caller's own generator (`RandomState`), so `worker.manual_seed(s)`
 makes them repeatable without touching anyone else's random state.

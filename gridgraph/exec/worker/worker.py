@@ -12,7 +12,8 @@ per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node)
 Policy:
 - the transport's thread only decodes, checks and enqueues (`on_message`); each session's
   requests run in arrival order on a thread of its own (`_drain`), in its executor process
-  with `isolate` (isolation/executor.py): no client's long program delays another's;
+  when the worker was given an `Isolation` (isolation/executor.py): no client's long program
+  delays another's;
 - exactly once: a request id runs at most once per session, and every accepted request gets
   exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
@@ -406,7 +407,7 @@ class Worker:
     def _accept_transfer(self, sender: str, msg: dict, payload: bytes) -> None:
         """Keep a transfer in the inbox of the session it names (opening it, `_session`),
         with its sender's identity: a run takes it only from the identity its client named
-        for the sending worker (session.py), so a peer that owns or claims a worker's name
+        for the sending worker (run.py), so a peer that owns or claims a worker's name
         in this worker's directory can place nothing a run uses. It counts against that
         session's memory if one of its runs named the sender, else against the sender's
         `stray` budget; one over either is kept as a small error in its place, so that a run
