@@ -34,7 +34,7 @@ ROOMS = {
     "exec.wire": "msgpack framing",
     "exec.resend": "when to ask again",
     "exec.protocol": "topics, kinds, codes",
-    "schedule": "place, split, cost, cache",
+    "schedule": "program format, place, split, cost",
     "trace": "pointers and recording",
     "errors": "GridError and kin",
 }
