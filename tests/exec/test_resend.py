@@ -238,7 +238,7 @@ def _frees_dead_pointers(grid: Grid, x: gg.RemoteTensor) -> int:
     with gg.trace():
         ys = [x + i for i in range(FREE_BATCH)]
     gg.compute(*ys)
-    held = len(_session_of(grid).store)
+    held = len(_session_of(grid).work.store)
     del ys
     gc.collect()
     return held
@@ -261,10 +261,10 @@ def test_a_lost_batch_of_frees_goes_again_with_the_next_request():
         bus.armed = True
         z = x * 2  # (a request releases the values of pointers that died: their batch goes
         assert bus.dropped == 1  # out first, and is lost)
-        assert len(_session_of(grid).store) == FREE_BATCH + 2
+        assert len(_session_of(grid).work.store) == FREE_BATCH + 2
         time.sleep(0.1)  # (past retry_after: lost, not late)
         w = x * 3  # this request carries the batch's ids again
-        assert len(_session_of(grid).store) == 3  # x, z and w
+        assert len(_session_of(grid).work.store) == 3  # x, z and w
         assert torch.equal(z.get(), x.get() * 2) and torch.equal(w.get(), x.get() * 3)
 
 
@@ -297,10 +297,10 @@ def test_the_frees_of_a_request_that_timed_out_go_again_with_the_next_request():
         bus.deaf = True
         with pytest.raises(GridError, match="did not answer"):
             x * 2  # (its request carries the 10 releases, and is lost, resends and all)
-        assert len(_session_of(grid).store) == 11
+        assert len(_session_of(grid).work.store) == 11
         bus.deaf = False
         w = x * 3  # this request carries them again
-        assert len(_session_of(grid).store) == 2  # x and w
+        assert len(_session_of(grid).work.store) == 2  # x and w
         assert torch.equal(w.get(), x.get() * 3)
 
 
@@ -367,10 +367,10 @@ def test_a_refused_batch_of_frees_goes_again_with_the_next_request():
         assert _frees_dead_pointers(grid, x) == FREE_BATCH + 1  # the second
         with pytest.raises(gg.RemoteError, match="rate"):  # (its batch was refused first)
             x * 2
-        assert len(_session_of(grid).store) == FREE_BATCH + 1
+        assert len(_session_of(grid).work.store) == FREE_BATCH + 1
         time.sleep(2.2)  # a request's worth of the rate again
         z = x * 2  # this request carries the batch's ids again
-        assert len(_session_of(grid).store) == 2 and z.location == "w0"  # x and z
+        assert len(_session_of(grid).work.store) == 2 and z.location == "w0"  # x and z
         time.sleep(2.2)  # (for the bye, at the end)
 
     # (an executor names the wait in its recv frame: a taken-over one may name any number)

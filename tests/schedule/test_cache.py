@@ -95,5 +95,5 @@ def test_worker_that_lost_a_program_gets_it_again(local_grid):
     (p * 2).get()
     for worker in local_grid.local_workers:  # the workers forget every program they keep
         for session in worker.sessions.values():
-            session.programs.clear()
+            session.work.programs.clear()
     assert torch.equal((p * 2).get(), torch.full((3,), 2.0))

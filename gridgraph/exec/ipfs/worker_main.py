@@ -178,9 +178,9 @@ def _expire(worker: Worker, lease: float) -> tuple | None:
         sessions = list(worker.sessions.values())
         return (
             len(sessions),
-            sum(len(s.store) for s in sessions),
+            sum(len(s.work.store) for s in sessions),
             sum(s.memory() for s in sessions),
-            sum(s.ops_run for s in sessions),
+            sum(s.work.ops_run for s in sessions),
         )
     except (RuntimeError, KeyError) as e:
         log.debug("%s: lease check deferred: %s", worker.name, e)

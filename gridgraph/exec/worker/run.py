@@ -155,7 +155,7 @@ def error_body(worker: str, error: Exception) -> dict:
 
 def _free(session: Session, frees: list[int]) -> None:
     for vid in frees:
-        session.store.free(vid)
+        session.work.store.free(vid)
 
 
 def _ping(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
@@ -174,11 +174,11 @@ def _put(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     ):
         raise RequestError("put values must be [value id, tensor] pairs")
     size = sum(t.untyped_storage().nbytes() for _, t in values)
-    after = session.memory() - session.store.bytes_freed_by(frees) + size
+    after = session.memory() - session.work.store.bytes_freed_by(frees) + size
     host.limits.check_memory(after, "storing these tensors")
     _free(session, frees)
     for vid, tensor in values:
-        session.store.put(vid, tensor)
+        session.work.store.put(vid, tensor)
     return {}
 
 
@@ -186,7 +186,7 @@ def _seed(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int
     seed = msg.get("seed")
     if type(seed) is not int:
         raise RequestError("seed must be an int")
-    session.rng.manual_seed(seed)
+    session.work.rng.manual_seed(seed)
     _free(session, frees)
     return {}
 
@@ -194,16 +194,16 @@ def _seed(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int
 def _stats(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
     _free(session, frees)
     out = {
-        "objects": len(session.store),
-        "stored_bytes": session.store.stored_bytes,
+        "objects": len(session.work.store),
+        "stored_bytes": session.work.store.stored_bytes,
         "memory": session.memory(),
-        "ops_run": session.ops_run,
+        "ops_run": session.work.ops_run,
         "messages": session.traffic.messages,
         "bytes": session.traffic.bytes,
     }
     if msg.get("reset"):
         session.traffic.reset()
-        session.ops_run = 0
+        session.work.ops_run = 0
     return out
 
 
@@ -225,22 +225,22 @@ def _run(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int)
     if "program" in msg:
         program = Program(msg["program"], len(slots), nbytes)
     else:
-        program = session.programs.get(plan_id)
+        program = session.work.programs.get(plan_id)
         if program is None:
             raise RequestError(f"unknown plan {plan_id}: send its program again", UNKNOWN_PLAN)
     if len(slots) != program.n_slots or not program.params <= params.keys():
         raise RequestError(f"run of plan {plan_id} does not fit its program")
     peers = _peers(msg.get("peers", {}), program, plan_id)
     # Checked from meta shapes before anything runs or changes; frees count as done.
-    peak, work, checked = program.footprint(session.store, slots, params)
-    held = session.memory() - session.store.bytes_freed_by(frees)
-    if "program" in msg and plan_id not in session.programs:
+    peak, work, checked = program.footprint(session.work.store, slots, params)
+    held = session.memory() - session.work.store.bytes_freed_by(frees)
+    if "program" in msg and plan_id not in session.work.programs:
         held += program.nbytes
     host.limits.check_memory(held + peak, f"run {run} (plan {plan_id})")
     host.limits.check_work(work, f"run {run} (plan {plan_id})")
     if "program" in msg:
-        session.add_program(plan_id, program)
-    session.programs.move_to_end(plan_id)
+        session.work.add_program(plan_id, program)
+    session.work.programs.move_to_end(plan_id)
     _free(session, frees)
     deadline = host.limits.deadline(start)
     return Run(host, session, run, slots, params, peers, deadline).execute(program, checked)
@@ -265,7 +265,7 @@ def _peers(peers: Any, program: Program, plan_id: int) -> dict[str, str]:
 
 
 def _bye(host: Host, session: Session, msg: dict, frees: list[int], nbytes: int) -> dict:
-    return {"freed": session.store.clear()}  # in an executor; the worker forgets the rest
+    return {"freed": session.work.store.clear()}  # in an executor; the worker forgets the rest
 
 
 _HANDLERS = {"put": _put, "run": _run, "seed": _seed, "stats": _stats, "free": _ping,
@@ -281,6 +281,7 @@ class Run:
     ) -> None:  # fmt: skip
         self.w = host
         self.s = session
+        self.work = session.work  # its tensors, random stream and ops count
         self.run = run
         self.slots = slots
         self.params = params
@@ -289,13 +290,13 @@ class Run:
         self.created: list[int] = []  # value ids this run stored, undone on failure
 
     def value(self, slot: int) -> torch.Tensor:
-        return self.s.store.get(self.slots[slot])
+        return self.work.store.get(self.slots[slot])
 
     def store(self, slot: int, tensor: Any) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise RequestError(f"slot {slot} would hold a {type(tensor).__name__}, not a tensor")
         vid = self.slots[slot]
-        self.s.store.put(vid, tensor)
+        self.work.store.put(vid, tensor)
         self.created.append(vid)
 
     def execute(self, program: Program, checked: dict[int, tuple[int, float]]) -> dict:
@@ -326,14 +327,14 @@ class Run:
                     if check_memory:  # a sum of running counts: no walk over the store
                         limits.check_memory(self.s.memory(), step.op)
                 elif kind is Free:
-                    self.s.store.free(self.slots[step.slot])
+                    self.work.store.free(self.slots[step.slot])
                 elif kind is Send:
                     self.send(step.slots, step.worker)
                 elif kind is Recv:
                     self.recv(step.slots, step.worker, program.recv_times, i)
                     # the steps up to the next recv, from what is stored now (`Stretch`)
                     stretch = program.after_recv[i]
-                    ahead = stretch.footprint(self.s.store, self.slots, self.params)[2]
+                    ahead = stretch.footprint(self.work.store, self.slots, self.params)[2]
                 elif kind is Return:
                     returns.append([step.slot, self.value(step.slot)])
             except Exception as e:
@@ -344,19 +345,19 @@ class Run:
         """Run one call step. `checked`: its (new bytes, work), which the check before the
         run covered; else it is checked now, from `ahead` (worked out after the last recv)
         or, None too, from its arguments (`check_footprint`)."""
-        resolved, kw = call.arguments(self.s.store.get, self.slots, self.params)
+        resolved, kw = call.arguments(self.work.store.get, self.slots, self.params)
         if checked is not None:
             work = checked[1]
         else:  # its inputs came during the run, or from an op whose data sets its size
             work = self.check_footprint(call, ahead, resolved, kw)
         if work >= call.threads_matter_from:
             intraop.use_threads_for(work, call.threads_matter_from)
-        result = call.run(self.s.rng, resolved, kw)
+        result = call.run(self.work.rng, resolved, kw)
         if call.one_out and type(result) is torch.Tensor:  # the common case, as below
             check_bounds(result)
-            self.s.ops_run += 1
+            self.work.ops_run += 1
             vid = self.slots[call.outs[0]]
-            self.s.store.put(vid, result)
+            self.work.store.put(vid, result)
             self.created.append(vid)
             return None
         return self._take(call, resolved, kw, result)
@@ -365,9 +366,9 @@ class Run:
         """Check and store what a call returned and wrote; its report, if it makes one."""
         name, outs, writes, report = call.name, call.outs, call.writes, call.report
         if call.resizes:  # counted at once: what follows may fail, the growth stays
-            self.s.store.recount(resolved[0])
+            self.work.store.recount(resolved[0])
         check_view(result)
-        self.s.ops_run += 1
+        self.work.ops_run += 1
         if isinstance(result, torch.Tensor):
             tensors, kind = [result], "tensor"
         elif isinstance(result, (tuple, list)) and all(
@@ -467,7 +468,7 @@ class Run:
             if type(later) is Send:  # every value of the group waits for this one message
                 self._transfer(later.slots, later.worker, error=f"failed on {self.w.name}")
         for vid in self.created:
-            self.s.store.free(vid)
+            self.work.store.free(vid)
         upstream = isinstance(error, UpstreamFailed)
         what = step.op if type(step) is Call else step.kind
         if not upstream:

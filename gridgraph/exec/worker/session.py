@@ -4,13 +4,12 @@ A client is an authenticated peer plus the session id it chose; everything a wor
 for it lives in its `Session` and nowhere else, so no other peer can read, evict, reseed or
 reset any of it:
 
-    store      its tensors by value id (store.py)
-    programs   its prepared programs by plan id (prepare.py), the PROGRAMS_KEPT latest used
+    work       what its programs run on: tensors, prepared programs, random stream
+               (workspace.py; with isolation, the one in its executor process counts)
     records    request id -> its reply once sent: a request id runs at most once. Replies are
                kept for the REPLIES_KEPT latest requests, bare ids for the RECORDS_KEPT latest
-    rng        its random stream (`worker.manual_seed` seeds only this)
     reply_topic  where its client hears replies (protocol.client_topic of the sender)
-    traffic    messages and bytes the worker sent for it; `ops_run`
+    traffic    messages and bytes the worker sent for it
     sent       transfers it sent, kept for resending (ipfs) to the identity they went to
     inbox      transfers sent to it, by (run, first value id, sending worker) and sender
                identity, as received (decoded only when a run takes one); charged to the
@@ -37,14 +36,10 @@ from gridgraph.exec.safety.limits import (
     TRANSFER_BYTES,
 )
 from gridgraph.exec.transport import TrafficCounter
-from gridgraph.exec.worker.ops import (
-    RandomState,
-)
-from gridgraph.exec.worker.store import ObjectStore
+from gridgraph.exec.worker.workspace import Workspace
 
 log = logging.getLogger("gridgraph.worker")
 
-PROGRAMS_KEPT = 64  # compiled programs kept per session, least recently used dropped
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
@@ -86,12 +81,9 @@ class Session:
         self.reply_topic = ""
         # The identity whose transfer opened it, until its client's first request (worker.py)
         self.opened_by: str | None = None
-        self.store = ObjectStore()
-        self.programs: OrderedDict[int, Any] = OrderedDict()  # prepare.Program
+        self.work = Workspace()
         self.records: OrderedDict[str, Record] = OrderedDict()
-        self.rng = RandomState()
         self.traffic = TrafficCounter()
-        self.ops_run = 0
         # (run, first value id, receiving worker) -> [its identity, the transfer, resends]
         self.sent: OrderedDict[tuple[int, int, str], list] = OrderedDict()
         # (run, first value id, sending worker) -> sender's identity -> the message received
@@ -119,18 +111,17 @@ class Session:
         self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
         self._inbox_bytes = 0
         self._sent_bytes = 0
-        self._program_bytes = 0
 
     # --- memory ----------------------------------------------------------------------------
 
     def memory(self) -> int:
-        """Bytes this session holds: tensors, inbox, kept transfers, replies, programs."""
+        """Bytes this session holds: its workspace, inbox, kept transfers, replies, records,
+        and what the other process (worker or executor) holds for it."""
         return (
-            self.store.stored_bytes
+            self.work.memory()
             + self._inbox_bytes
             + self._sent_bytes
             + self._reply_bytes
-            + self._program_bytes
             + RECORD_BYTES * len(self.records)
             + self.elsewhere
         )
@@ -157,19 +148,6 @@ class Session:
             if old.reply is not None:
                 self._reply_bytes -= len(old.reply)
                 old.reply = None
-
-    # --- programs --------------------------------------------------------------------------
-
-    def add_program(self, plan_id: int, program: Any) -> None:
-        """Keep a prepared program (its `nbytes` counted), dropping the least recently used."""
-        old = self.programs.pop(plan_id, None)
-        if old is not None:
-            self._program_bytes -= old.nbytes
-        self.programs[plan_id] = program
-        self._program_bytes += program.nbytes
-        while len(self.programs) > PROGRAMS_KEPT:
-            _, dropped = self.programs.popitem(last=False)
-            self._program_bytes -= dropped.nbytes
 
     # --- transfers -------------------------------------------------------------------------
 
@@ -283,14 +261,13 @@ class Session:
                     self._uncharge(key, sender, payload)
             self.inbox.clear()
             self.cv.notify_all()
-        n = self.store.clear()
+        n = self.work.clear()
         if self.executor is not None:
             self.executor.close()
-        self.programs.clear()
         self.records.clear()
         self._with_reply.clear()
         self.sent.clear()
         self.queue.clear()
         self.queued_bytes = 0
-        self._reply_bytes = self._inbox_bytes = self._sent_bytes = self._program_bytes = 0
+        self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n

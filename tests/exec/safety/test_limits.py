@@ -60,7 +60,7 @@ def test_an_over_limit_program_is_refused_before_anything_runs():
         reply = peer.request("w0", msg)
         assert not reply["ok"] and "memory limit of 1.0 GiB" in reply["error"]["message"]
         session = grid.local_workers[0].sessions["mallory/s"]
-        assert session.ops_run == 0 and len(session.store) == 1
+        assert session.work.ops_run == 0 and len(session.work.store) == 1
         fetch = {"kind": "run", "run": 2, "plan": 2, "slots": [1], "params": [],
                  "program": [[["return", 0]]]}  # fmt: skip
         assert torch.equal(peer.request("w0", fetch)["returns"][0][1], a)  # add_ never ran
@@ -454,7 +454,7 @@ def test_a_call_that_would_outgrow_the_limit_on_received_values_is_refused():
         assert replies[sent]["ok"]
         reply = replies[rid]
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the expand only
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 1  # the expand only
 
 
 def test_a_run_whose_slots_name_one_value_twice_is_refused_before_anything_runs():
@@ -471,7 +471,7 @@ def test_a_run_whose_slots_name_one_value_twice_is_refused_before_anything_runs(
         assert peer.request("w0", put)["ok"]
         reply = peer.request("w0", hostile.run(steps, [100, 100, 5, 101, 102]))
         assert not reply["ok"] and "distinct" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
         got = peer.request("w0", hostile.run([["return", 0]], [100], plan=2))
         assert got["ok"] and torch.equal(got["returns"][0][1], torch.ones(1, 1))
 
@@ -712,12 +712,12 @@ def test_a_parameter_listing_tensors_is_worked_out_on_meta_tensors_and_by_its_la
         reply = peer.request("w0", hostile.run(block_diag, [7], params=[[0, small]]))
         assert reply["ok"] and torch.equal(reply["returns"][0][1], torch.block_diag(*small))
         assert devices and set(devices) == {"meta"}
-        ran = grid.local_workers[0].sessions["mallory/s"].ops_run
+        ran = grid.local_workers[0].sessions["mallory/s"].work.ops_run
         big = [torch.zeros(300, 300)] * 2  # 720 kB sent; its block_diag 1.4 MB, over the limit
         again = hostile.run(block_diag, [8], run_id=2, params=[[0, big]], program=False)
         reply = peer.request("w0", again)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == ran  # refused first
 
 
 def test_a_resize_that_would_grow_past_the_limit_is_refused_before_anything_runs():
@@ -734,7 +734,7 @@ def test_a_resize_that_would_grow_past_the_limit_is_refused_before_anything_runs
         assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]})["ok"]
         reply = peer.request("w0", hostile.run(grow, [1, 2, 3]))
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
         reply = peer.request("w0", hostile.run(small, [1, 4, 5], plan=2))
         want = torch.ones(1).clone().resize_(1000)
         want[1:] = 0  # (memory a resize grows into is zeroed on a worker)
@@ -763,7 +763,7 @@ def test_an_op_whose_output_its_data_sizes_is_refused_before_it_runs_past_the_li
         assert peer.request("w0", {"kind": "put", "values": [[1, huge], [2, small]]})["ok"]
         reply = peer.request("w0", hostile.run([hostile.call(op, [Slot(0)], [1])], [1, 3]))
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
         steps = [hostile.call(op, [Slot(0)], [1]), ["return", 1]]
         reply = peer.request("w0", hostile.run(steps, [2, 4], plan=2))
         want = getattr(torch.ops.aten, op.split("::")[1].split(".")[0])(small)
@@ -789,11 +789,11 @@ def test_a_layout_change_through_one_of_two_ids_of_one_tensor_is_seen_by_the_oth
         # two tensors, same layouts: fine, and its footprint is remembered
         assert peer.request("w0", hostile.run(grow, [20, 21, 22, 23], plan=2, run_id=1))["ok"]
         assert peer.request("w0", hostile.run(alias, [1, 10, 11], run_id=2))["ok"]
-        ran = grid.local_workers[0].sessions["mallory/s"].ops_run
+        ran = grid.local_workers[0].sessions["mallory/s"].work.ops_run
         again = hostile.run(grow, [10, 11, 12, 13], plan=2, run_id=3, program=False)
         reply = peer.request("w0", again)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran  # refused first
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == ran  # refused first
 
 
 def test_storage_a_resize_grows_is_counted_even_when_its_run_then_fails():
@@ -811,10 +811,12 @@ def test_storage_a_resize_grows_is_counted_even_when_its_run_then_fails():
             reply = peer.request("w0", hostile.run(grow, [20 + k], plan=20 + k, run_id=k))
             assert not reply["ok"], reply
             state = grid.local_workers[0].sessions["mallory/s"]
-            held = sum(state.store.get(20 + i).untyped_storage().nbytes() for i in range(k + 1))
-            assert state.store.stored_bytes >= held
+            held = sum(
+                state.work.store.get(20 + i).untyped_storage().nbytes() for i in range(k + 1)
+            )
+            assert state.work.store.stored_bytes >= held
         assert "memory limit" in reply["error"]["message"]  # the third: refused before it ran
-        assert state.store.get(22).untyped_storage().nbytes() == 4
+        assert state.work.store.get(22).untyped_storage().nbytes() == 4
 
 
 def test_a_call_its_meta_kernel_refuses_never_runs_its_kernel(monkeypatch):
@@ -839,7 +841,7 @@ def test_a_call_its_meta_kernel_refuses_never_runs_its_kernel(monkeypatch):
                 "w0", hostile.run([add, sample, ["return", 3]], [1, 2, 10, 11])
             )
             assert not reply["ok"] and "interpolation mode 7" in reply["error"]["message"], reply
-            assert grid.local_workers[0].sessions["mallory/s"].ops_run == 1  # the add only
+            assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 1  # the add only
             sample = hostile.call(
                 "aten::grid_sampler_2d.default", [Slot(0), Slot(1), 0, 0, False], [2]
             )
@@ -877,7 +879,7 @@ def test_a_call_its_meta_kernel_refuses_is_refused(case):
         steps = [hostile.call(op, args, [slot]), ["return", slot]]
         reply = Peer(grid).request("w0", hostile.run(steps, [1 + i for i in range(slot + 1)]))
         assert not reply["ok"] and refusal in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
 
 
 def test_a_nearest_upsampling_of_an_empty_batch_is_checked_by_the_cpu_kernels_rule():
@@ -934,7 +936,7 @@ def _refused_before_it_runs(grid, steps: list, slots: list, ran_before: int) -> 
     peer = Peer(grid)
     reply = peer.request("w0", hostile.run(steps, slots, plan=len(slots)))
     assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-    assert grid.local_workers[0].sessions["mallory/s"].ops_run == ran_before
+    assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == ran_before
 
 
 def _returns(grid, steps: list, slots: list) -> list:
@@ -999,7 +1001,7 @@ def test_an_op_without_a_meta_kernel_over_the_time_limit_is_refused_before_it_ru
         select = hostile.call("aten::masked_select.default", [Slot(0), Slot(1)], [2])
         reply = Peer(grid).request("w0", hostile.run([select], [1, 2, 10]))
         assert not reply["ok"] and "would run for" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
 
 
 def test_growth_of_a_storage_held_outside_the_run_stays_counted_when_its_slots_are_freed():
@@ -1019,7 +1021,7 @@ def test_growth_of_a_storage_held_outside_the_run_stays_counted_when_its_slots_a
                  hostile.call("aten::clone.default", [Slot(3)], [4])]  # fmt: skip
         reply = peer.request("w0", hostile.run(steps, [3, 4, 9, 5, 6], plan=2, run_id=2))
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 2  # (the first run's)
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 2  # (the first run's)
 
 
 def test_a_long_chain_of_ops_is_checked_at_what_it_holds_at_once_not_in_all():
@@ -1139,7 +1141,7 @@ def test_a_convolution_is_checked_against_the_time_limit_by_its_multiply_adds():
         ]
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 10, 11]))
         assert not reply["ok"] and "would run for" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
 
 
 def _expanded(slot: int, shape: list[int], out: int) -> list:
@@ -1228,7 +1230,7 @@ def test_a_pool_is_checked_against_the_time_limit_by_its_windows_elements(shape,
         steps = [_expanded(0, shape, 1), hostile.call(name, [Slot(1), *rest], [2])]
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 3]))
         assert not reply["ok"] and "would run for" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
 
 
 def test_a_search_is_charged_a_binary_search_per_element():
@@ -1240,7 +1242,7 @@ def test_a_search_is_charged_a_binary_search_per_element():
         steps = [_expanded(0, [1 << 24], 1), _expanded(0, [2 * 10**8], 2), search]
         reply = Peer(grid).request("w0", hostile.run(steps, [1, 2, 3, 4]))
         assert not reply["ok"] and "would run for" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].ops_run == 0
+        assert grid.local_workers[0].sessions["mallory/s"].work.ops_run == 0
         edges, values = torch.tensor([0.0, 1.0, 5.0]), torch.tensor([-1.0, 0.5, 9.0])
         got = torch.bucketize(gg.send(values, grid.workers[0]), edges)  # honest: as torch
         assert torch.equal(got.get(), torch.bucketize(values, edges))
@@ -1275,7 +1277,7 @@ def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
         assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
         reply = peer.request("w0", hostile.run([bloated], [1, 2]))
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
-        assert grid.local_workers[0].sessions["mallory/s"].programs == {}  # not kept
+        assert grid.local_workers[0].sessions["mallory/s"].work.programs == {}  # not kept
         honest = hostile.call("aten::sum.dim_IntList", [Slot(0), [0]], [1])
         reply = peer.request("w0", hostile.run([honest, ["return", 1]], [1, 2], plan=2))
         assert reply["ok"] and reply["returns"][0][1].item() == 3.0

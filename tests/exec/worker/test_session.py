@@ -97,14 +97,14 @@ def test_the_memory_limit_holds_at_every_step_of_a_cached_program():
         assert peer.request("w0", {"kind": "put", "values": [[1, small]]})["ok"]
         assert peer.request("w0", _run(1, 1, [1, 2, 3, 4], [], program))["ok"]  # 224 KiB
         state = grid.local_workers[0].sessions["mallory/s"]
-        held = state.store.stored_bytes
+        held = state.work.store.stored_bytes
         x = torch.ones(1 << 15)  # 128 KiB; each nonzero makes 256 KiB: the third is over
         assert peer.request("w0", {"kind": "put", "values": [[5, x]]})["ok"]
         reply = peer.request("w0", _run(1, 2, [5, 6, 7, 8], [], None))  # the cached program
         assert not reply["ok"] and "memory limit" in reply["error"]["message"]
         assert reply["error"]["op"] == "aten::nonzero.default"
-        assert state.ops_run == 3 + 2  # refused at the step that would go over
-        assert state.store.stored_bytes == held + x.nbytes  # the run's results undone
+        assert state.work.ops_run == 3 + 2  # refused at the step that would go over
+        assert state.work.store.stored_bytes == held + x.nbytes  # the run's results undone
 
 
 def test_a_sessions_requests_are_served_by_one_lasting_thread(local_grid, monkeypatch):
@@ -180,11 +180,11 @@ def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(
             assert reply["ok"], reply
             assert torch.equal(reply["returns"][0][1], small * small)
         assert len(meta_runs) == 1  # the same layout each time: one meta run
-        ops_run = state["mallory/s"].ops_run
+        ops_run = state["mallory/s"].work.ops_run
         reply = square_on_w0(4, 2, program=False)
         assert not reply["ok"] and "memory limit" in reply["error"]["message"], reply
         assert reply["error"]["op"] == "aten::mul.Tensor"
-        assert state["mallory/s"].ops_run == ops_run  # refused before it ran
+        assert state["mallory/s"].work.ops_run == ops_run  # refused before it ran
         assert len(meta_runs) == 2  # a new layout: worked out anew
 
 

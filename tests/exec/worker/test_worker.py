@@ -72,9 +72,9 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply_and_is_not_run_again(l
     reply = peer.request("w0", msg, rid)  # torch.complex32 (8) is not a wire dtype
     assert not reply["ok"] and "could not be encoded" in reply["error"]["message"]
     worker = local_grid.local_workers[0]
-    ops = worker.sessions[f"mallory/{peer.session}"].ops_run
+    ops = worker.sessions[f"mallory/{peer.session}"].work.ops_run
     assert peer.request("w0", msg, rid) == reply  # the resend is answered, not run
-    assert worker.sessions[f"mallory/{peer.session}"].ops_run == ops
+    assert worker.sessions[f"mallory/{peer.session}"].work.ops_run == ops
 
 
 def test_a_request_whose_serving_fails_unexpectedly_gets_an_error_reply(local_grid, monkeypatch):
@@ -157,7 +157,7 @@ def test_a_call_cannot_store_a_non_tensor_and_the_worker_keeps_serving(local_gri
     assert not reply["ok"] and "not a tensor" in reply["error"]["message"]
     worker = local_grid.local_workers[0]
     worker.expire_clients(lease=3600)  # the lease check reads every session's memory
-    assert len(worker.sessions[f"mallory/{peer.session}"].store) == 1
+    assert len(worker.sessions[f"mallory/{peer.session}"].work.store) == 1
     x = torch.randn(3)
     assert torch.equal((x.send(local_grid.workers[0]) * 2).get(), x * 2)
 
@@ -215,10 +215,10 @@ def test_bye_frees_everything_the_session_held(local_grid):
     (x * 2).get()
     worker = local_grid.local_workers[2]
     [session] = [s for k, s in worker.sessions.items() if k.startswith("bob/")]
-    assert session.memory() > 0 and session.records and session.programs
+    assert session.memory() > 0 and session.records and session.work.programs
     other.close()
     assert not [k for k in worker.sessions if k.startswith("bob/")]
-    assert session.memory() == 0 and not session.records and not session.programs
+    assert session.memory() == 0 and not session.records and not session.work.programs
     late = Peer(local_grid, "bob", other.client.session)  # late requests of that session
     fetch = {"kind": "run", "run": 9, "plan": 9, "program": [[["return", 0]]],
              "slots": [x._vid], "params": []}  # fmt: skip
