@@ -1,35 +1,21 @@
 """The program format: the steps a worker runs, in one definition.
 
 A worker's program is a list of stages, each a list of steps (plan.py says how a plan makes
-them and why they come in this order). A step is one of
+them and in what order):
 
     Call(op, args, kwargs, outs, writes, report)   run an ATen op on values the worker holds
-    Send(slots, worker)                            push values straight to another worker
-    Recv(slots, worker)                            wait for such a message
-    Free(slot)                                     drop a value after its last use here
-    Return(slot)                                   send a value back with the reply
+    Send(slots, worker) / Recv(slots, worker)      push values to another worker / wait for them
+    Free(slot) / Return(slot)                      drop a value / send it back with the reply
 
 Steps name values by slot (`Slot(k)`, an index into the plan's slots) and per-run values by
-parameter (`Param(k)`, an index into the run's parameters). Each step says which slots it
-reads (`reads`: before the step, their values must be there), which it defines (`defines`:
-after it, they hold what it made or received) and which parameters it uses (`params`).
-
-On the wire (msgpack, see exec/wire.py) a step is a list, its kind first:
-
-    ["call", op, args, kwargs, outs, writes, report]
-    ["send", [slot, ...], worker]     ["recv", [slot, ...], worker]
-    ["free", slot]                    ["return", slot]
-
-`writes` is a list of [argument path, output slot] pairs: the path is a position, a keyword,
-or [path, index] into a tensor list. `to_wire` writes a program in that form (a client sends
-it so); `parse_program` reads one back, and refuses (`MalformedStep`) a step that is not
-well-formed or names a slot beyond the program's values, or a call whose op is not on the
-workers' allowlist (`OpRefused`), before any step of it runs: a worker takes programs from
-whoever sends them.
-
-This module is the only definition of a step: plan.split and the client's storage moves
-build steps from these classes, the worker gets them from `parse_program`, and nothing reads
-a step by position.
+parameter (`Param(k)`); each says which slots it reads, which it defines and which
+parameters it uses. On the wire (msgpack, exec/wire.py) a step is a list, its kind first
+(`["call", op, args, kwargs, outs, writes, report]`, `["send", [slot, ...], worker]`,
+`["free", slot]`, ...). `to_wire` writes a program so; `parse_program` reads one back and
+refuses (`MalformedStep`, or `OpRefused` for an op off the allowlist) any step that is not
+well-formed or names a slot beyond the program's values, before any step of it runs: a
+worker takes programs from whoever sends them. plan.split and the client's storage moves
+build steps from these classes; nothing reads a step by position.
 """
 
 from __future__ import annotations
