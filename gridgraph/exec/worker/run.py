@@ -1,7 +1,8 @@
 """Serving one request of a session: the handlers by kind, and `Run`, which runs a program.
 
-`answer` runs where the session's state lives: in the worker (in-process) or in the
-session's executor process (isolation/executor.py), which it reaches through a `Host`.
+`answer` runs where the session's workspace lives: in the worker (in-process) or in the
+session's executor process, which the worker starts through an `Isolation`
+(isolation/executor.py's); either reaches other workers through a `Host`.
 A session's requests run one at a time, in order, on a thread of its own (worker.py starts
 it), so one client's long program or blocked `recv` delays no other client.
 
@@ -17,6 +18,7 @@ to or comes from.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import traceback
 from contextlib import nullcontext
@@ -66,6 +68,38 @@ class Host(Protocol):
         identity `peer` sent, waiting until `deadline`, and asking `peer` to send it again
         if it has not come after `ask_after` s (bounded by `resend_wait`); raises UpstreamFailed,
         TimeoutError or TimeLimitExceeded."""
+
+
+class SessionExecutor(Protocol):
+    """A process that holds one session's state and runs its requests (isolation/)."""
+
+    lost: str | None  # why it ended, once it has
+
+    def request(self, payload: bytes, held: int, worker: Any, session: Session) -> bytes:
+        """Serve one request (`payload` as received); the reply, encoded."""
+
+    def close(self) -> None:
+        """End the process and free its place."""
+
+
+class Isolation(Protocol):
+    """How a worker runs each session's programs in a process of its own: isolation/'s
+    `executor.Isolation`, which the worker's creator passes in (the worker never imports
+    the isolation room, which runs this room's `answer` in its processes)."""
+
+    def prewarm(self) -> None:
+        """Get ready to start processes, in the background."""
+
+    def start(
+        self,
+        worker: str,
+        session: str,
+        limits: Limits,
+        recv_timeout: float,
+        places: threading.BoundedSemaphore,
+    ) -> SessionExecutor:
+        """A process for `session`, in one of the worker's `places` (LimitExceeded if none
+        is free)."""
 
 
 log = logging.getLogger("gridgraph.worker")

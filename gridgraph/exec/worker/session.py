@@ -17,7 +17,8 @@ reset any of it:
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
-client says `bye` or its lease expires. How a request is served: run.py.
+client says `bye` or its lease expires; `EndedSessions` remembers why a session ended. How a
+request is served: run.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kep
 REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
+# Ended sessions remembered (EndedSessions): per peer, and peers, the latest ones.
+ENDED_KEPT = 64
+ENDED_PEERS = 1024
 
 
 class RequestError(Exception):
@@ -271,3 +275,29 @@ class Session:
         self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n
+
+
+class EndedSessions:
+    """Why sessions ended, by key: ENDED_KEPT per peer (a peer's own churn pushes out only
+    its own), for the ENDED_PEERS peers that most recently lost one. A worker keeps two: why
+    it ended sessions their clients had used (lease, eviction), and which ones their clients
+    ended (bye), apart, so that a peer's byes never push out why the worker ended one of its
+    sessions. Sessions opened by a transfer and never adopted leave no record."""
+
+    def __init__(self) -> None:
+        self._by_peer: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+
+    def add(self, session: Session, why: str) -> None:
+        if session.opened_by:  # opened by a transfer, never used by its client
+            return
+        kept = self._by_peer.pop(session.peer, None) or OrderedDict()
+        self._by_peer[session.peer] = kept  # the most recent peer last
+        kept[session.key] = why
+        if len(kept) > ENDED_KEPT:
+            kept.popitem(last=False)
+        if len(self._by_peer) > ENDED_PEERS:
+            self._by_peer.popitem(last=False)
+
+    def why(self, peer: str, key: str) -> str | None:
+        kept = self._by_peer.get(peer)
+        return kept.get(key) if kept is not None else None

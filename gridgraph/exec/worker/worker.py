@@ -31,9 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
 
 from gridgraph.exec import wire
 from gridgraph.exec.protocol import (
@@ -58,6 +56,7 @@ from gridgraph.exec.safety.limits import (
 from gridgraph.exec.transport import Transport
 from gridgraph.exec.worker.run import (
     RESEND_AFTER,
+    Isolation,
     UpstreamFailed,
     answer,
     encode_reply,
@@ -66,7 +65,7 @@ from gridgraph.exec.worker.run import (
     resend_wait,
     transfer_key,
 )
-from gridgraph.exec.worker.session import ExecutorLost, RequestError, Session
+from gridgraph.exec.worker.session import EndedSessions, ExecutorLost, RequestError, Session
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -83,41 +82,6 @@ ENDED_BEFORE_RUN = RequestError(
 # A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
-# Ended sessions remembered (EndedSessions): per peer, and peers, the latest ones.
-ENDED_KEPT = 64
-ENDED_PEERS = 1024
-
-
-class SessionExecutor(Protocol):
-    """A process that holds one session's state and runs its requests (isolation/)."""
-
-    lost: str | None  # why it ended, once it has
-
-    def request(self, payload: bytes, held: int, worker: Any, session: Session) -> bytes:
-        """Serve one request (`payload` as received); the reply, encoded."""
-
-    def close(self) -> None:
-        """End the process and free its place."""
-
-
-class Isolation(Protocol):
-    """How a worker runs each session's programs in a process of its own: isolation/'s
-    `executor.Isolation`, which the worker's creator passes in (the worker never imports
-    the isolation room, which runs this room's `answer` in its processes)."""
-
-    def prewarm(self) -> None:
-        """Get ready to start processes, in the background."""
-
-    def start(
-        self,
-        worker: str,
-        session: str,
-        limits: Limits,
-        recv_timeout: float,
-        places: threading.BoundedSemaphore,
-    ) -> SessionExecutor:
-        """A process for `session`, in one of the worker's `places` (LimitExceeded if none
-        is free)."""
 
 
 class Worker:
@@ -750,32 +714,6 @@ class Worker:
             serving = list(self._serving)
         for thread in [self._sender, *serving]:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-class EndedSessions:
-    """Why sessions ended, by key: ENDED_KEPT per peer (a peer's own churn pushes out only
-    its own), for the ENDED_PEERS peers that most recently lost one. A worker keeps two: why
-    it ended sessions their clients had used (lease, eviction), and which ones their clients
-    ended (bye), apart, so that a peer's byes never push out why the worker ended one of its
-    sessions. Sessions opened by a transfer and never adopted leave no record."""
-
-    def __init__(self) -> None:
-        self._by_peer: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
-
-    def add(self, session: Session, why: str) -> None:
-        if session.opened_by:  # opened by a transfer, never used by its client
-            return
-        kept = self._by_peer.pop(session.peer, None) or OrderedDict()
-        self._by_peer[session.peer] = kept  # the most recent peer last
-        kept[session.key] = why
-        if len(kept) > ENDED_KEPT:
-            kept.popitem(last=False)
-        if len(self._by_peer) > ENDED_PEERS:
-            self._by_peer.popitem(last=False)
-
-    def why(self, peer: str, key: str) -> str | None:
-        kept = self._by_peer.get(peer)
-        return kept.get(key) if kept is not None else None
 
 
 def _transfer_key(

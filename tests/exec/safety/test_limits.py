@@ -29,7 +29,8 @@ from gridgraph.exec.safety.limits import (
     parse_size,
 )
 from gridgraph.exec.worker import ops, prepare
-from gridgraph.exec.worker.worker import ENDED_KEPT, RESENDS
+from gridgraph.exec.worker.session import ENDED_KEPT
+from gridgraph.exec.worker.worker import RESENDS
 from gridgraph.schedule.program import Param, Slot
 from gridgraph.trace.allowlist import resolve
 from tests.exec import hostile
