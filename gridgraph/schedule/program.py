@@ -85,12 +85,31 @@ class Call:
 
 
 @dataclass(slots=True)
-class Send:
+class _Transfer:
+    """A step that moves the values in `slots` between this worker and `worker`, all in one
+    transfer message."""
+
+    kind: ClassVar[str]
+    arrow: ClassVar[str]  # how it prints: "->" out, "<-" in
+    slots: list[int]
+    worker: str
+
+    def params(self) -> list[int]:
+        return []
+
+    def wire(self) -> list:
+        return [self.kind, self.slots, self.worker]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {', '.join(f'%{v}' for v in self.slots)} {self.arrow} {self.worker}"
+
+
+class Send(_Transfer):
     """Send the values in `slots` to `worker`, in one transfer message."""
 
-    kind: ClassVar[str] = "send"
-    slots: list[int]
-    worker: str
+    __slots__ = ()
+    kind = "send"
+    arrow = "->"
 
     def reads(self) -> list[int]:
         return list(self.slots)
@@ -98,23 +117,13 @@ class Send:
     def defines(self) -> list[int]:
         return []
 
-    def params(self) -> list[int]:
-        return []
 
-    def wire(self) -> list:
-        return ["send", self.slots, self.worker]
-
-    def __str__(self) -> str:
-        return f"send {', '.join(f'%{v}' for v in self.slots)} -> {self.worker}"
-
-
-@dataclass(slots=True)
-class Recv:
+class Recv(_Transfer):
     """Wait for the transfer message of the values in `slots` from `worker`."""
 
-    kind: ClassVar[str] = "recv"
-    slots: list[int]
-    worker: str
+    __slots__ = ()
+    kind = "recv"
+    arrow = "<-"
 
     def reads(self) -> list[int]:
         return []
@@ -122,60 +131,42 @@ class Recv:
     def defines(self) -> list[int]:
         return list(self.slots)
 
+
+@dataclass(slots=True)
+class _OneSlot:
+    """A step about the value in one slot: it reads it and defines nothing."""
+
+    kind: ClassVar[str]
+    slot: int
+
+    def reads(self) -> list[int]:
+        return [self.slot]
+
+    def defines(self) -> list[int]:
+        return []
+
     def params(self) -> list[int]:
         return []
 
     def wire(self) -> list:
-        return ["recv", self.slots, self.worker]
+        return [self.kind, self.slot]
 
     def __str__(self) -> str:
-        return f"recv {', '.join(f'%{v}' for v in self.slots)} <- {self.worker}"
+        return f"{self.kind} %{self.slot}"
 
 
-@dataclass(slots=True)
-class Free:
+class Free(_OneSlot):
     """Drop the value in `slot` (after its last use on this worker)."""
 
-    kind: ClassVar[str] = "free"
-    slot: int
-
-    def reads(self) -> list[int]:
-        return [self.slot]
-
-    def defines(self) -> list[int]:
-        return []
-
-    def params(self) -> list[int]:
-        return []
-
-    def wire(self) -> list:
-        return ["free", self.slot]
-
-    def __str__(self) -> str:
-        return f"free %{self.slot}"
+    __slots__ = ()
+    kind = "free"
 
 
-@dataclass(slots=True)
-class Return:
+class Return(_OneSlot):
     """Send the value in `slot` back to the client with the reply."""
 
-    kind: ClassVar[str] = "return"
-    slot: int
-
-    def reads(self) -> list[int]:
-        return [self.slot]
-
-    def defines(self) -> list[int]:
-        return []
-
-    def params(self) -> list[int]:
-        return []
-
-    def wire(self) -> list:
-        return ["return", self.slot]
-
-    def __str__(self) -> str:
-        return f"return %{self.slot}"
+    __slots__ = ()
+    kind = "return"
 
 
 Step = Call | Send | Recv | Free | Return
