@@ -19,8 +19,9 @@ class RemoteError(RuntimeError):
     """An op failed on a worker, or the worker refused a whole request.
 
     `.worker` ran it, `.op` is the ATen op ("" for a refused request), `.where` is the
-    file:line of the user's code that recorded it and `.remote_traceback` the worker's
-    traceback summary.
+    file:line of the user's code that recorded it, `.reads` what the op read (by your
+    names: `features.0.weight`, `x`, else `op@file:line`) and `.remote_traceback` the
+    worker's traceback summary.
     """
 
     def __init__(
@@ -30,12 +31,15 @@ class RemoteError(RuntimeError):
         message: str,
         where: str = "<unknown>",
         remote_traceback: str = "",
+        reads: list[str] | None = None,
     ) -> None:
         self.worker, self.op, self.where = worker, op, where
         self.remote_traceback = remote_traceback
         self.remote_message = message
+        self.reads = list(reads or [])
         if op:
-            headline = f"{op} failed on worker {worker!r} (recorded at {where})"
+            headline = f"{op} failed on worker {worker!r} (recorded at {where}"
+            headline += f", reading {', '.join(self.reads)})" if self.reads else ")"
         else:
             headline = f"worker {worker!r} refused the request"
         super().__init__(f"{headline}:\n  {message}")

@@ -11,6 +11,7 @@ from typing import Any
 
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
+from gridgraph.schedule import compact
 from gridgraph.schedule import explain as text
 from gridgraph.schedule.place import naive_placement
 from gridgraph.trace.pointer import RemoteTensor
@@ -53,17 +54,28 @@ def explain(obj: Any) -> str:
         where = {client.location_of(v) for v in vids}
         return f"nothing to run: already computed, on {', '.join(sorted(map(str, where)))}"
     _, _, naive = client.compile(vids, lambda n, v, w: naive_placement(n, v))
-    values = client.graph.values
-    return text.explain_plan(nodes, values, placement, plan, naive, client.cost, client.workers)
+    graph = client.graph
+    return text.explain_plan(
+        nodes, graph.values, placement, plan, naive, client.cost, client.workers, graph
+    )
 
 
-def visualize(obj: Any, path: str) -> str:
-    """Draw the placement of the work behind `obj` to `path` (.svg, .png, .dot or .html):
-    nodes coloured by worker, one cluster per worker, stages, transfers labelled with bytes.
+def visualize(obj: Any, path: str, *, full: bool = False) -> str:
+    """Draw the placement of the work behind `obj` to `path` (.svg, .png, .dot or .html): a
+    cluster per worker, transfers labelled with their bytes, values by your names. Compact
+    by default: one box per module call (its forward, and its backward) or per line of your
+    code, with views, detaches and clones folded in; `full=True` draws every op, by stage.
 
-    >>> gg.visualize(y, "placement.svg")
-    'placement.svg'
+    >>> gg.visualize(loss, "step.svg")
+    'step.svg'
     """
     client, vids = _target(obj)
     nodes, placement, plan = client.compile(vids)
-    return text.render(nodes, client.graph.values, placement, plan, path, client.workers)
+    graph = client.graph
+    if full:
+        dot = text.to_dot(nodes, graph.values, placement, plan, client.workers, graph.label)
+    else:
+        dot = compact.to_dot(
+            nodes, graph.values, placement, plan, client.workers, graph.label, graph.user_name
+        )
+    return text.write(dot, plan, path)

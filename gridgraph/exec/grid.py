@@ -19,6 +19,7 @@ from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker.worker import Worker
+from gridgraph.trace import names, scope
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 
@@ -58,8 +59,12 @@ class Grid:
     # --- sending ---------------------------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, worker: WorkerRef) -> RemoteTensor:
-        """Store `tensor` on `worker`; returns the pointer (keeps `requires_grad`)."""
+        """Store `tensor` on `worker`; returns the pointer (keeps `requires_grad`). The
+        pointer is called by the name your line gives it (`x = t.send(w)`: `x`)."""
         [p] = self.send_many([tensor], worker)
+        name = names.tensor_name(tensor)
+        if name is not None:
+            self.client.graph.name(p._vid, name)
         return p
 
     def send_many(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
@@ -84,18 +89,25 @@ class Grid:
         return [self.client.make_pointer(v.id, t.requires_grad) for v, t in zip(values, tensors)]
 
     def send_module(self, module: torch.nn.Module, worker: WorkerRef) -> torch.nn.Module:
-        """Replace `module`'s parameters and buffers by pointers on `worker` (in place)."""
+        """Replace `module`'s parameters and buffers by pointers on `worker` (in place).
+        They are called by their names in the module (`features.0.weight`), and ops in
+        its forward and backward by the module call (`features.0 (Conv2d)`)."""
         self._check_worker(worker)
-        slots = [(m, kind, name, t) for m in module.modules()
+        prefix = names.module_prefix()
+        slots = [(m, kind, name, t, ".".join(p for p in (prefix, path, name) if p))
+                 for path, m in module.named_modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for name, t in table.items() if t is not None]  # fmt: skip
-        pointers = self.send_many([t for *_, t in slots], worker)
-        for (m, kind, name, _), p in zip(slots, pointers):
+        pointers = self.send_many([t for _, _, _, t, _ in slots], worker)
+        graph = self.client.graph
+        for (m, kind, name, _, full_name), p in zip(slots, pointers):
+            graph.name(p._vid, full_name)
             if kind == "param":
                 p._is_param = True  # what nn.Parameter does for tensor subclasses
                 m._parameters[name] = p
             else:
                 m._buffers[name] = p
+        scope.label_module(module, prefix)
         return module
 
     def _check_worker(self, worker: object) -> None:

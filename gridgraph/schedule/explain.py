@@ -13,15 +13,15 @@ from __future__ import annotations
 import html
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from gridgraph.schedule.cost import CostModel, finish_time
 from gridgraph.schedule.plan import Plan
 from gridgraph.schedule.program import Call, Recv
-from gridgraph.trace.graph import Node, Value
+from gridgraph.trace.graph import Graph, Node, Value
 
 # Fill and border colours per worker (tab10, light and dark), cycled.
-_PALETTE = [("#aec7e8", "#1f77b4"), ("#ffbb78", "#ff7f0e"), ("#98df8a", "#2ca02c"),
+PALETTE = [("#aec7e8", "#1f77b4"), ("#ffbb78", "#ff7f0e"), ("#98df8a", "#2ca02c"),
             ("#ff9896", "#d62728"), ("#c5b0d5", "#9467bd"), ("#c49c94", "#8c564b"),
             ("#f7b6d2", "#e377c2"), ("#c7c7c7", "#7f7f7f"), ("#dbdb8d", "#bcbd22"),
             ("#9edae5", "#17becf")]  # fmt: skip
@@ -70,7 +70,7 @@ def _transfer_stages(plan: Plan) -> dict[tuple[int, str], int]:
     return found
 
 
-def _shape(values: Mapping[int, Value], vid: int) -> str:
+def shape(values: Mapping[int, Value], vid: int) -> str:
     v = values.get(vid)
     if v is None:
         return "?"
@@ -86,8 +86,10 @@ def explain_plan(
     naive_plan: Plan | None = None,
     cost: CostModel | None = None,
     workers: Sequence[str] = (),
+    graph: Graph | None = None,
 ) -> str:
-    """A readable summary of a compiled (not yet run) plan.
+    """A readable summary of a compiled (not yet run) plan; with the `graph`, values are
+    called by their users' names (`features.0.weight`, else `relu@train.py:12`).
 
     >>> print(explain_plan(nodes, values, placement, plan, naive_plan))
     placement: 6 ops on 2 of 3 workers, 1 stage, 1 transfer, 1.0 KB moved, ...
@@ -123,7 +125,10 @@ def explain_plan(
             s = stage[node.id]
             head = f"  stage {s}:" if s != last else ""
             last = s
-            lines.append(f"{head:<11}{node!r:<48} {node.meta.get('where', '')}")
+            call = _call(node, graph)
+            scope = node.meta.get("scope")
+            where = node.meta.get("where", "")
+            lines.append(f"{head:<11}{call:<48} {where}{f'  [{scope[0]}]' if scope else ''}")
     n_msg = plan.messages
     lines.append(
         f"transfers: {n_tr}, {human_bytes(plan.bytes_moved)} in {n_msg} message{'s' * (n_msg != 1)}"
@@ -132,11 +137,21 @@ def explain_plan(
     for tr in plan.transfers:
         s = recv_stage.get((tr.value, tr.dst))
         at = f"  (for stage {s})" if s is not None else ""
+        called = f"%{tr.value}" if graph is None else graph.label(tr.value)
         lines.append(
-            f"  %{tr.value} {_shape(values, tr.value)}: {tr.src} -> {tr.dst}, "
+            f"  {called} {shape(values, tr.value)}: {tr.src} -> {tr.dst}, "
             f"{human_bytes(tr.nbytes)}{at}"
         )
     return "\n".join(lines)
+
+
+def _call(node: Node, graph: Graph | None) -> str:
+    """`%7 = aten::mm(x, 0.weight)`: inputs by their user names where they have one."""
+    outs = ", ".join(f"%{v}" for v in node.outputs)
+    ins = ", ".join(
+        (graph.user_name(v) if graph is not None else None) or f"%{v}" for v in node.inputs()
+    )
+    return f"{outs} = {node.name}({ins})"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -148,7 +163,7 @@ def _ratio(a: float, b: float) -> str:
 # --- Graphviz -------------------------------------------------------------------------------
 
 
-def _q(text: str) -> str:
+def quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
@@ -158,8 +173,10 @@ def to_dot(
     placement: Mapping[int, str],
     plan: Plan,
     workers: Sequence[str] = (),
+    label: Callable[[int], str] = lambda v: f"%{v}",
 ) -> str:
-    """The placed graph in Graphviz's language: a cluster per worker and per stage."""
+    """The placed graph in Graphviz's language: a cluster per worker and per stage, every
+    op a node; `label` names stored and transferred values."""
     stage = node_stages(nodes, placement, plan)
     produced = {v: n.id for n in nodes for v in n.outputs}
     stored = {v for n in nodes for v in n.inputs() if v not in produced}
@@ -169,43 +186,43 @@ def to_dot(
         | set(placement.values())
         | {values[v].location for v in stored if values[v].location}
     )
-    colour = {w: _PALETTE[i % len(_PALETTE)] for i, w in enumerate(workers)}
+    colour = {w: PALETTE[i % len(PALETTE)] for i, w in enumerate(workers)}
     out = [
         "digraph placement {",
         '  graph [rankdir=TB, fontname="Helvetica", compound=true, '
-        f"label={_q(f'placement: {plan.bytes_moved} bytes moved, {plan.n_stages} stages')}];",
+        f"label={quote(f'placement: {plan.bytes_moved} bytes moved, {plan.n_stages} stages')}];",
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=9, color="#555555"];',
     ]
     for w in workers:
         fill, line = colour[w]
         out += [
-            f"  subgraph {_q('cluster_' + w)} {{",
-            f"    label={_q(w)}; color={_q(line)}; penwidth=2; fontcolor={_q(line)};",
+            f"  subgraph {quote('cluster_' + w)} {{",
+            f"    label={quote(w)}; color={quote(line)}; penwidth=2; fontcolor={quote(line)};",
         ]
         for v in sorted(stored):
             if values[v].location == w:
-                label = f"%{v}\n{_shape(values, v)}"
+                text = f"{label(v)}\n{shape(values, v)}"
                 out.append(
-                    f"    v{v} [label={_q(label)}, shape=ellipse, fillcolor=white, "
-                    f"color={_q(line)}];"
+                    f"    v{v} [label={quote(text)}, shape=ellipse, fillcolor=white, "
+                    f"color={quote(line)}];"
                 )
         mine = [n for n in nodes if placement[n.id] == w]
         if not mine and not any(values[v].location == w for v in stored):
             out.append(f'    idle_{len(out)} [label="idle", shape=plaintext, style=""];')
         for s in sorted({stage[n.id] for n in mine}):
             out += [
-                f"    subgraph {_q(f'cluster_{w}_s{s}')} {{",
-                f"      label={_q(f'stage {s}')}; style=dashed; color={_q(line)};",
+                f"    subgraph {quote(f'cluster_{w}_s{s}')} {{",
+                f"      label={quote(f'stage {s}')}; style=dashed; color={quote(line)};",
             ]
             for n in mine:
                 if stage[n.id] == s:
                     outs = ", ".join(f"%{v}" for v in n.outputs[:2])
-                    label = f"{n.name.removeprefix('aten::')}\n{outs}\ns{s}"
+                    text = f"{n.name.removeprefix('aten::')}\n{outs}\ns{s}"
                     tip = n.meta.get("where", "")
                     out.append(
-                        f"      n{n.id} [label={_q(label)}, fillcolor={_q(fill)}, "
-                        f"color={_q(line)}, tooltip={_q(tip)}];"
+                        f"      n{n.id} [label={quote(text)}, fillcolor={quote(fill)}, "
+                        f"color={quote(line)}, tooltip={quote(tip)}];"
                     )
             out.append("    }")
         out.append("  }")
@@ -219,13 +236,13 @@ def to_dot(
             if where == dst:
                 out.append(f"  {src} -> n{n.id};")
             elif (v, dst) in sent:  # another reader of a copy already sent: no new transfer
-                out.append(f"  {src} -> n{n.id} [color={_q(colour[dst][1])}, style=dashed];")
+                out.append(f"  {src} -> n{n.id} [color={quote(colour[dst][1])}, style=dashed];")
             else:
                 sent.add((v, dst))
                 nbytes = values[v].meta.nbytes if v in values else 0
-                label = f"%{v}: {human_bytes(nbytes)}"
+                text = f"{label(v)}: {human_bytes(nbytes)}"
                 out.append(
-                    f"  {src} -> n{n.id} [label={_q(label)}, color={_q(colour[dst][1])}, "
+                    f"  {src} -> n{n.id} [label={quote(text)}, color={quote(colour[dst][1])}, "
                     'penwidth=2.5, style=bold, fontcolor="#000000"];'
                 )
     out.append("}")
@@ -245,7 +262,12 @@ def render(
     >>> render(nodes, values, placement, plan, "placement.svg")
     'placement.svg'
     """
-    dot = to_dot(nodes, values, placement, plan, workers)
+    return write(to_dot(nodes, values, placement, plan, workers), plan, path)
+
+
+def write(dot: str, plan: Plan, path: str) -> str:
+    """Write a drawing in Graphviz's language to `path` (.dot as it is; .svg, .png or
+    .html through `dot`); returns the path."""
     kind = path.rsplit(".", 1)[-1].lower() if "." in path else ""
     if kind == "dot":
         with open(path, "w") as f:

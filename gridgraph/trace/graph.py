@@ -12,6 +12,8 @@ are what make mutation mean in the deferred graph what it means in eager torch.
 
 The graph holds only nodes not yet run (`pending`, with their predecessors in `preds` and the
 values along each edge); `Graph.values` keeps the metadata of every value the client knows.
+`Graph.names` holds the names users gave storages (`features.0.weight`, `x`): `label` calls a
+value by its storage's name, else by the op and line that made it (`relu@train.py:12`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Value:
     storage: int
     producer: int | None = None  # node id while pending
     location: str | None = None  # worker name once computed
+    origin: tuple | None = None  # (op, meta) of the node that made it, once it has run
 
 
 @dataclass(eq=False)
@@ -120,6 +123,9 @@ class Graph:
         # Per storage: the pending node that last wrote it, and pending readers since.
         self._last_write: dict[int, int] = {}
         self._readers: dict[int, list[int]] = {}
+        # Storage -> (the name a user gave it, the shape it had then); pruned as storages die.
+        self.names: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._names_pruned_at = 64
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -151,6 +157,48 @@ class Graph:
             vid, meta, vid if storage is None else storage, producer, location
         )
         return value
+
+    def name(self, vid: int, name: str) -> None:
+        """Call the storage of value `vid` (and every later version of it) `name`."""
+        value = self.values[vid]
+        self.names[value.storage] = (name, tuple(value.meta.shape))
+        if len(self.names) > self._names_pruned_at:  # forget names of storages now gone
+            live = {v.storage for v in self.values.values()}
+            self.names = {s: n for s, n in self.names.items() if s in live}
+            self._names_pruned_at = max(64, 2 * len(self.names))
+
+    def user_name(self, vid: int) -> str | None:
+        """The name a user gave this value's storage ('view of w' for a reshaped view)."""
+        value = self.values.get(vid)
+        named = None if value is None else self.names.get(value.storage)
+        if named is None:
+            return None
+        name, shape = named
+        return name if tuple(value.meta.shape) == shape else f"view of {name}"
+
+    def label(self, vid: int) -> str:
+        """What to call value `vid` for people: its user name, else `op@file:line` of the op
+        that made it, else `%vid`.
+
+        >>> graph.label(3), graph.label(9)
+        ('features.0.weight', 'relu@train.py:12')
+        """
+        name = self.user_name(vid)
+        if name is not None:
+            return name
+        value = self.values.get(vid)
+        if value is None:
+            return f"%{vid}"
+        if value.producer in self.pending:
+            node = self.pending[value.producer]
+            op, meta = node.op, node.meta
+        elif value.origin is not None:
+            op, meta = value.origin
+        else:
+            return f"%{vid}"
+        where = meta.get("where", "")
+        short = where.rsplit("/", 1)[-1] if where and where != "<unknown>" else "?"
+        return f"{op._schema.name.removeprefix('aten::')}@{short}"
 
     def add(self, node: Node) -> None:
         """Add a node whose output values are already in `values`; wire data and order edges."""
@@ -208,9 +256,15 @@ class Graph:
         return needed
 
     def remove(self, node_ids: set[int]) -> None:
-        """Drop nodes that have run; their values stay in `values` with a location."""
+        """Drop nodes that have run; their values stay in `values` with a location (and
+        the op and meta that made them, for `label`)."""
+        values = self.values
         for nid in node_ids:
-            del self.pending[nid]
+            node = self.pending.pop(nid)
+            for vid in node.outputs:
+                value = values.get(vid)
+                if value is not None:
+                    value.origin = (node.op, node.meta)
             del self.preds[nid]
         for s in [s for s, w in self._last_write.items() if w in node_ids]:
             del self._last_write[s]

@@ -36,6 +36,7 @@ from gridgraph.errors import PlacementError, RecordError
 from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, extent, infer
+from gridgraph.trace.scope import current as current_scope
 
 aten = torch.ops.aten
 _LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
@@ -116,6 +117,14 @@ _SKIP = ("<frozen", "<string>")
 # File name -> whether it belongs to gridgraph or torch. Keyed by name, not code object: a
 # string caches its hash, a code object hashes its constants and names on every look-up.
 _in_library: dict[str, bool] = {}
+
+
+def in_library(filename: str) -> bool:
+    """Whether code in `filename` is gridgraph's or torch's (not the user's)."""
+    inside = _in_library.get(filename)
+    if inside is None:
+        inside = _in_library[filename] = filename.startswith(_LIBRARY_DIRS + _SKIP)
+    return inside
 
 
 def user_frame(skip: int = 0) -> str:
@@ -410,7 +419,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         "" if spec is None else spec.kind,
         0,
         () if not recipe.alias.written else _writes(t_args, t_kwargs, recipe.alias),
-        {"where": where} if pin is None else {"where": where, "pin": pin},
+        _meta(where, pin),
         (),
         recipe.sig(pin, key),
         tuple(walk.params),
@@ -423,6 +432,17 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     if recipe.in_place:
         return _record_in_place(owner, node, spec.metas[0], args[0], eager)
     return _record_aliasing(owner, node, spec, recipe.alias, args, kwargs, pointer_type, eager)
+
+
+def _meta(where: str, pin: str | None) -> dict:
+    """A node's first meta: the user's file:line, the pin, the module call it is in."""
+    meta = {"where": where}
+    if pin is not None:
+        meta["pin"] = pin
+    module_call = current_scope()
+    if module_call is not None:
+        meta["scope"] = module_call
+    return meta
 
 
 def _record_fresh_or_view(

@@ -533,6 +533,7 @@ class Client:
         if error.get("code") in SESSION_GONE:
             return SessionLost(str(error.get("worker")), str(error.get("message")))
         where = "<unknown>"
+        reads: list[str] = []
         slot = error.get("slot")
         if isinstance(slot, int) and slot < len(slots):
             vid = slots[slot]
@@ -543,6 +544,7 @@ class Client:
                 node = next((n for n in self.graph.pending.values() if vid in n.outputs), None)
             if node is not None:
                 where = node.meta.get("where", where)
+                reads = [self.graph.label(v) for v in dict.fromkeys(node.inputs())]
             if where_of:
                 where = where_of.get(slot, where)
         return RemoteError(
@@ -551,6 +553,7 @@ class Client:
             str(error.get("message", "")),
             where,
             str(error.get("traceback", "")),
+            reads,
         )
 
     # --- requests --------------------------------------------------------------------------
@@ -567,7 +570,7 @@ class Client:
         for vid in self.live:
             value = self.graph.values.get(vid)
             if value is not None and value.location == worker:
-                lost.append(f"%{vid} {tuple(value.meta.shape)} {value.meta.dtype}")
+                lost.append(f"{self.graph.label(vid)} {tuple(value.meta.shape)} {value.meta.dtype}")
         return lost
 
     # --- lifecycle -------------------------------------------------------------------------

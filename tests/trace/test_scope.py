@@ -1,0 +1,61 @@
+"""Ops recorded in a sent module's forward, and in its backward, carry the module call."""
+
+from __future__ import annotations
+
+import torch
+
+import gridgraph as gg
+from gridgraph.trace import scope
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(x)) * 2  # tanh and mul are Block's own ops
+
+
+def _scopes(graph) -> list[tuple[str, tuple[str, int] | None]]:
+    return [(n.op._schema.name, n.meta.get("scope")) for n in graph.nodes()]
+
+
+def test_forward_ops_carry_the_innermost_module_call(local_grid):
+    model = torch.nn.Sequential(Block(), Block())
+    model.send(local_grid.workers[0])
+    x = torch.randn(3, 4).send(local_grid.workers[0])
+    with gg.trace():
+        model(x).sum()
+    scopes = _scopes(local_grid.client.graph)
+    labels = [s[0] if s else None for _, s in scopes]
+    # t, addmm in Linear; tanh, detach (autograd keeps tanh's output), mul in Block
+    assert labels == [
+        *["0.inner (Linear)"] * 2, *["0 (Block)"] * 3,
+        *["1.inner (Linear)"] * 2, *["1 (Block)"] * 3,
+        None,  # .sum() outside the model
+    ]  # fmt: skip
+    calls = {s for _, s in scopes if s}
+    assert len(calls) == 4  # each call its own number
+
+
+def test_a_module_called_twice_is_two_calls_and_backward_is_named(local_grid):
+    layer = torch.nn.Linear(4, 4)
+    layer.send(local_grid.workers[0])
+    x = torch.randn(3, 4).send(local_grid.workers[0])
+    with gg.trace():
+        layer(layer(x)).sum().backward()
+    scopes = [s for _, s in _scopes(local_grid.client.graph) if s]
+    forward = {s for s in scopes if s[0] == "Linear"}
+    backward = {s for s in scopes if s[0] == "Linear backward"}
+    assert len(forward) == 2 and {n for _, n in backward} == {n for _, n in forward}
+    ops = {op for op, s in _scopes(local_grid.client.graph) if s in backward}
+    assert "aten::mm" in ops  # the weight's and input's gradients
+
+
+def test_labelling_again_relabels_without_hooking_twice():
+    layer = torch.nn.Linear(2, 2)
+    scope.label_module(layer, "first")
+    scope.label_module(layer, "second")
+    assert (len(layer._forward_hooks), len(layer._forward_pre_hooks)) == (1, 1)
+    assert layer._gg_scope == "second (Linear)"
