@@ -23,7 +23,7 @@ from gridgraph.errors import (
     SessionLost,
     WorkerLost,
 )
-from gridgraph.exec.client.compile import Compiled, compile
+from gridgraph.exec.client.compile import Compiled, RecompileWarning, compile
 from gridgraph.exec.grid import Grid, WorkerRef, local_grid
 from gridgraph.exec.ipfs.client import connect
 from gridgraph.exec.safety.limits import Limits
@@ -38,6 +38,7 @@ __all__ = [
     "GridError",
     "Limits",
     "PlacementError",
+    "RecompileWarning",
     "RecordError",
     "RemoteError",
     "RemoteTensor",

@@ -4,7 +4,8 @@ State, per compiled function: `_entries`, keyed by the guard of a call's argumen
 types; a pointer's shape, dtype, location and grid; a local tensor's metadata; plain values
 by value; containers by what they hold; other objects by identity; torch's grad mode,
 autocast and default dtype), each holding the latest recording made under that guard and
-the replays built from it (at most `MAX_REPLAYS`).
+the replays built from it (at most `MAX_REPLAYS`), whether a call under it has replayed and
+how many have recorded since; `_warned`: whether the function has warned.
 
 Policy: a call whose guard has a replay whose checks pass (guards.py: modules, optimizers,
 frozen arguments, pinned pointers, external inputs as recorded) is replayed through the
@@ -13,14 +14,20 @@ runs, is recorded or placed. Any other call is recorded (`run_pending`): `fn` ru
 `gg.trace()` and the step runs as one plan. Two consecutive recordings under one guard that
 ran the same plan with the same effects make a replay; floats and local tensors that differ
 between them are the step's arguments, or state outside `fn` (refused with `GridError`,
-never replayed stale). `Compiled`'s docstring says what is refused while recording, and what
-a replay cannot see. Compiled calls run one at a time, whatever the thread.
+never replayed stale). The floats and local tensors in the param groups of the optimizers a
+step ran (`lr`, set by an LR scheduler) count as arguments after the call's own. A function
+that records again more than twice under a guard that replayed, or records four times without
+replaying, warns once (`RecompileWarning`) with the guard or check that failed and the call's
+line. `Compiled`'s docstring says what is refused while recording, and what a replay cannot
+see. Compiled calls run one at a time, whatever the thread.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,10 +47,13 @@ from gridgraph.exec.client.guards import (
     by_identity,
     flatten,
     guard,
+    hyperparameter_values,
+    hyperparameters,
     modes,
     param_sources,
     referents,
     same,
+    scalar,
     show,
     snapshot,
     state,
@@ -64,6 +74,10 @@ _recording = threading.local()  # `active`: a compiled step is being recorded on
 _calls = threading.RLock()
 
 Source = int | Cell  # where a step reads a tensor: argument index, or the pointer's cell
+
+
+class RecompileWarning(UserWarning):
+    """A compiled step keeps recording (or never replays); the message says why."""
 
 
 def compile(fn: Callable) -> Compiled:  # noqa: A001 - gg.compile, as torch.compile
@@ -113,11 +127,18 @@ class Compiled:
        and line, never a replay of a stale value. Arguments that did not change, or reach the
        ops only through Python arithmetic, are frozen: another value records again. A pointer
        argument that was the same pointer in both recordings is pinned the same way (`fn` may
-       also read it otherwise, through a closure).
+       also read it otherwise, through a closure). The floats and local tensors in the param
+       groups of the optimizers the step ran (`lr`, `momentum`) are arguments too, read at
+       each call: a learning rate an LR scheduler changes every step is replayed (taken as
+       is, as the number a tensor `lr` holds, or negated, as SGD's `alpha=-lr`). An LR
+       scheduler stepped inside `fn` makes the step not replayable (a replay runs no Python).
     5. Refused while recording, with `GridError` naming the user's line: reading a remote value
        in Python (`.item()`, `bool(p)`, `if p > 0:`), data-dependent shapes, running pointers or
        sending tensors inside `fn`. Pointers of two grids in one step are refused too.
-    6. Compiled calls run one at a time, whatever the thread (a recording takes every op
+    6. A function that records again more than twice after replaying, or four times without
+       replaying, warns once (`gg.RecompileWarning`) naming the guard or check that failed
+       and the line of the call.
+    7. Compiled calls run one at a time, whatever the thread (a recording takes every op
        pending on the client as its step); another thread's request or read during a recording
        is its own (not refused). Ops that another thread records on the same grid while a step
        records join the step's plan.
@@ -138,6 +159,8 @@ class Compiled:
         self.recordings = self.replays = 0
         self.not_replayable: str | None = None
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._last_key: tuple | None = None
+        self._warned = False  # a RecompileWarning is given once per compiled function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(_recording, "active", False):
@@ -155,26 +178,67 @@ class Compiled:
             *modes(),
         )
         entry = self._entries.get(key)
+        why: str | None = None  # why this call records rather than replays, for the warning
         if entry is None:
+            if self._last_key is not None:
+                why = _guard_change(self._last_key, key, self._describe_argument)
             # Objects guarded by identity are held, so that no other object takes their id.
             entry = self._entries[key] = _Entry([a for a in flat if by_identity(a)])
             while len(self._entries) > MAX_GUARDS:
                 self._entries.popitem(last=False)
+        self._last_key = key
         for replay in entry.replays:
-            if replay.matches(flat):
-                result = replay.run(flat)
-                if result is not _MISS:
+            inputs = replay.rec.arguments(flat)
+            why = replay.mismatch(inputs)
+            if why is None:
+                result = replay.run(inputs)
+                if result is _MISS:
+                    why = "a pointer the step reads has another shape, worker or aliasing"
+                else:
                     self.replays += 1
+                    entry.replays_made = True
                     return result
+        where = user_frame()
         result, rec = self._record(args, kwargs, flat)
         self.recordings += 1
         if rec is not None:
             self.not_replayable = rec.reason
             previous, entry.last = entry.last, rec
-            if previous is not None and _same_step(previous, rec):
-                entry.replays.insert(0, _Replay(previous, rec, self.__name__))
-                del entry.replays[MAX_REPLAYS:]
+            if previous is not None:
+                differs = _differs(previous, rec)
+                if differs is None:
+                    replay = _Replay(previous, rec, self.__name__, self._describe_argument)
+                    entry.replays.insert(0, replay)
+                    del entry.replays[MAX_REPLAYS:]
+                why = why or rec.reason or differs
+        if entry.replays_made:
+            entry.rerecordings += 1
+        again = entry.rerecordings > 2 or (self.recordings > 3 and not self.replays)
+        if again and not self._warned:  # recorded again more than twice, or never replays
+            self._warned = True
+            warnings.warn(
+                f"gg.compile({self.__name__}) has recorded {self.recordings} times and replayed "
+                f"{self.replays} (called at {where}): {why or 'each call had new guards'}. A "
+                "step replays once two calls in a row record the same plan; "
+                "help(gg.Compiled) says what a replay checks.",
+                RecompileWarning,
+                stacklevel=3,
+            )
         return result
+
+    def _describe_argument(self, i: int, hyper: list | None = None) -> str:
+        """Argument `i` of the flattened call, by the name `fn` gives it where it can (an
+        optimizer's hyperparameter after the call's own arguments, when `hyper` is given)."""
+        n_flat = len(self._last_key or ()) - 3 - len(modes())
+        if hyper and i >= n_flat and i - n_flat < len(hyper):
+            o, g, k = hyper[i - n_flat]
+            return f"{type(o).__name__}.param_groups[{g}][{k!r}]"
+        names = [
+            p.name
+            for p in inspect.signature(self.fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ] if callable(self.fn) else []  # fmt: skip
+        return f"argument {names[i]!r}" if i < len(names) else f"argument {i}"
 
     def __repr__(self) -> str:
         calls = f"{self.recordings} recorded, {self.replays} replayed"
@@ -199,6 +263,7 @@ class Compiled:
         arg_of = {a._vid: i for i, a in enumerate(flat) if isinstance(a, RemoteTensor)}
         modules: dict[int, torch.nn.Module] = {}
         optimizers: dict[int, torch.optim.Optimizer] = {}
+        at_step: dict[int, list] = {}
         name = self.__name__
 
         def refuse(what: str) -> None:
@@ -214,7 +279,9 @@ class Compiled:
             modules.setdefault(id(m), m)
 
         def saw_optimizer(o: torch.optim.Optimizer, *_: Any) -> None:
-            optimizers.setdefault(id(o), o)
+            if id(o) not in optimizers:  # what its ops take: the values at its first step
+                optimizers[id(o)] = o
+                at_step[id(o)] = [snapshot(v) for v in hyperparameter_values(hyperparameters([o]))]
 
         hooks = [register_module_forward_pre_hook(saw_module),
                  register_optimizer_step_pre_hook(saw_optimizer)]  # fmt: skip
@@ -240,6 +307,7 @@ class Compiled:
         rec = _Recording(client, start[client], arg_of, flat)
         rec.watched = (list(modules.values()), list(optimizers.values()))
         rec.state = state(rec.watched)
+        rec.take_hyperparameters([s for o in optimizers for s in at_step[o]])
         rec.referents = referents(rec.watched)
         rec.note_effects(result)
         rec.run()
@@ -253,6 +321,8 @@ class _Entry:
     held: list[Any]
     last: _Recording | None = None
     replays: list[_Replay] = field(default_factory=list)
+    replays_made: bool = False  # whether a call under this guard has replayed
+    rerecordings: int = 0  # calls recorded since then
 
 
 class _Recording:
@@ -281,8 +351,25 @@ class _Recording:
         self.param_where = [(n.name, n.meta.get("where", "<unknown>"))
                             for n in self.nodes for _ in n.params]  # fmt: skip
         self.watched: tuple[list, list] = ([], [])
+        self.hyper: list = []  # (optimizer, group, key) of each float or tensor hyperparameter
         self.state: tuple = ()
         self.referents: list[weakref.ref] = []  # what `state` names by id, weakly
+
+    def take_hyperparameters(self, at_step: list) -> None:
+        """Note the optimizers' floats and local tensors (`lr`) as arguments after the
+        call's own: their values when the step ran (`at_step`)."""
+        self.hyper = hyperparameters(self.watched[1])
+        now = [snapshot(v) for v in hyperparameter_values(self.hyper)]
+        if len(now) != len(at_step) or not all(map(same, now, at_step)):
+            self._not(
+                "the step changes an optimizer's hyperparameter (lr, ...) itself, and a "
+                "replay runs no Python: step the LR scheduler outside the compiled function"
+            )
+        self.args += at_step
+
+    def arguments(self, flat: list) -> list:
+        """The call's arguments, then the optimizers' hyperparameters now."""
+        return flat + hyperparameter_values(self.hyper)
 
     def _not(self, reason: str) -> None:
         self.reason = self.reason or reason
@@ -412,42 +499,77 @@ class _Recording:
         self.nodes = self.produced = self.info = self.start = self.start_vid = None
 
 
-def _same_step(a: _Recording, b: _Recording) -> bool:
-    """Whether two recordings ran the same plan with the same effects (replayable pair)."""
-    return (
-        a.reason is None
-        and b.reason is None
-        and a.client is b.client
-        and a.plan.id == b.plan.id
-        and a.kept == b.kept
-        and [(s, src) for s, src, _ in a.inputs] == [(s, src) for s, src, _ in b.inputs]
-        and a.effects == b.effects
-        and [list(map(id, w)) for w in a.watched] == [list(map(id, w)) for w in b.watched]
-        and a.state == b.state
-        and alive(a.referents)
-        and [type(p) for p in a.params] == [type(p) for p in b.params]
-    )
+def _differs(a: _Recording, b: _Recording) -> str | None:
+    """What keeps two recordings from making a replay (None: they ran the same plan with
+    the same effects)."""
+    if a.reason is not None or b.reason is not None:
+        return b.reason or a.reason
+    if a.client is not b.client:
+        return "the two calls ran on different grids"
+    if a.plan.id != b.plan.id or a.kept != b.kept:
+        return "the two calls ran different plans (other ops, shapes, workers or aliasing)"
+    if [(s, src) for s, src, _ in a.inputs] != [(s, src) for s, src, _ in b.inputs]:
+        return "the two calls read different pointers"
+    if a.effects != b.effects:
+        return "the two calls left different pointers (a first step creates state)"
+    if [list(map(id, w)) for w in a.watched] != [list(map(id, w)) for w in b.watched]:
+        return "the two calls used different modules or optimizers"
+    if a.state != b.state or not alive(a.referents):
+        return "a module's or optimizer's settings, parameters or hooks changed between them"
+    if [type(p) for p in a.params] != [type(p) for p in b.params]:
+        return "the floats and local tensors the ops take differ in kind"
+    return None
+
+
+def _guard_change(old: tuple, new: tuple, describe: Callable[[int], str]) -> str:
+    """Which guard made a call new (the keys `Compiled._call` builds)."""
+    if old[:2] != new[:2] or len(old) != len(new):
+        return "the call passed other arguments (number, keywords or containers)"
+    n_flat = len(new) - 2 - 1 - len(modes())
+    for i in range(n_flat):
+        if old[2 + i] != new[2 + i]:
+            return f"{describe(i)} changed its guard: {_show_guard(old[2 + i])} -> " + (
+                _show_guard(new[2 + i])
+            )
+    if old[2 + n_flat] != new[2 + n_flat]:
+        return "pointer arguments alias each other differently"
+    return "torch's grad mode, autocast or default dtype changed"
+
+
+def _show_guard(g: Any) -> str:
+    if isinstance(g, tuple) and len(g) >= 2 and isinstance(g[1], TensorMeta):
+        meta = g[1]
+        return f"{tuple(meta.shape)} {meta.dtype}"
+    if isinstance(g, tuple) and len(g) >= 4 and isinstance(g[2], TensorMeta):
+        return f"pointer {tuple(g[2].shape)} {g[2].dtype} on {g[3]}"
+    if isinstance(g, tuple) and len(g) == 2:
+        return repr(g[1])
+    return getattr(g, "__name__", repr(g))
 
 
 class _Replay:
     """A recorded step ready to run again with new arguments and the pointers' new values."""
 
-    def __init__(self, previous: _Recording, rec: _Recording, name: str) -> None:
+    def __init__(
+        self, previous: _Recording, rec: _Recording, name: str, describe: Callable
+    ) -> None:
         self.rec = rec
+        self.describe = lambda i: describe(i, rec.hyper)  # an argument, for messages
         self.params = list(rec.params)
-        # Parameters taken from the call's arguments: (param index, argument index, tensor?).
-        self.from_args: list[tuple[int, int, bool]] = []
+        # Parameters taken from the call's arguments (and optimizers' hyperparameters):
+        # (param index, argument index, how: "as is", "scalar" or "negated").
+        self.from_args: list[tuple[int, int, str]] = []
         changed = {i for i, (a, b) in enumerate(zip(previous.args, rec.args))
                    if a is not None and not same(a, b)}  # fmt: skip
         used: set[int] = set()
         for k, (before, now) in enumerate(zip(previous.param_snaps, rec.param_snaps)):
-            src = next(
-                (i for i in sorted(changed)
-                 if same(rec.args[i], now) and same(previous.args[i], before)),
-                None,
+            src, how = next(
+                ((i, how) for i in sorted(changed)
+                 for how in [_taken_as(previous.args[i], rec.args[i], before, now)] if how),
+                (None, None),
             )  # fmt: skip
-            if src is not None:
-                self.from_args.append((k, src, isinstance(rec.params[k], torch.Tensor)))
+            if src is not None and how is not None:
+                self.from_args.append((k, src, how))
                 used.add(src)
             elif not same(before, now):
                 op, where = rec.param_where[k]
@@ -464,7 +586,7 @@ class _Replay:
                       if a is not None and i not in used]  # fmt: skip
         # Constant local tensors that are one tensor of the user's in both recordings (a
         # closure's): sent as they are at each call, as torch would read them then.
-        taken = {k for k, _, _ in self.from_args}
+        taken = {k for k, _, _ in self.from_args}  # (a closure's tensor, below)
         self.sources = [(k, src, TensorMeta.of(as_sent(src)))
                         for k, (src, before) in enumerate(zip(rec.param_sources,
                                                               previous.param_sources))
@@ -472,21 +594,29 @@ class _Replay:
         self.same_pointers = [(i, cell) for i, cell in rec.arg_cells.items()
                               if previous.arg_cells.get(i) is cell]  # fmt: skip
 
-    def matches(self, flat: list) -> bool:
-        """The checks that need no lock: grid open, Python state, frozen arguments."""
+    def mismatch(self, flat: list) -> str | None:
+        """The checks that need no lock (grid open, Python state, frozen arguments): what
+        differs from the recordings, or None when the call may replay."""
         rec = self.rec
         if rec.client.closed:
             raise GridError("this grid is closed")
         for i, cell in self.same_pointers:
             if flat[i]._cell is not cell:
-                return False
+                return f"{self.describe(i)} is another pointer than in the recordings"
         for i, snap in self.fixed:
             if not same(snap, snapshot(flat[i])):
-                return False
+                return (
+                    f"{self.describe(i)} is {show(snapshot(flat[i]))}, was {show(snap)}; it "
+                    "was the same in the two recordings, so the replay took it as a constant"
+                )
         for _, src, meta in self.sources:
             if TensorMeta.of(as_sent(src)) != meta:
-                return False
-        return state(rec.watched) == rec.state and alive(rec.referents)
+                return "a local tensor the step reads changed shape or dtype"
+        if not alive(rec.referents):
+            return "a module's or optimizer's parameter was replaced"
+        if state(rec.watched) != rec.state:
+            return "a module's settings, parameters or hooks, or an optimizer's, changed"
+        return None
 
     def run(self, flat: list) -> Any:
         """Replay the step, or `_MISS` when its external inputs are not as recorded."""
@@ -522,8 +652,13 @@ class _Replay:
                 vid = slots[s] = new_id()
                 storage_at[s] = vid if first == s else storage_at[first]
             params = list(self.params)
-            for k, i, is_tensor in self.from_args:
-                params[k] = as_sent(flat[i]) if is_tensor else flat[i]
+            for k, i, how in self.from_args:
+                a = flat[i]
+                if how == "as is":
+                    params[k] = as_sent(a) if isinstance(a, torch.Tensor) else a
+                else:  # the number a float or one-element tensor holds, maybe negated
+                    number = float(a) if type(a) is float else scalar(snapshot(a))
+                    params[k] = -number if how == "negated" else number
             for k, src, _ in self.sources:
                 params[k] = as_sent(src)
             try:
@@ -577,6 +712,24 @@ class _Replay:
             if s not in made:  # a pointer returned twice is one pointer
                 made[s] = client.make_pointer(slots[s])
         return _build(rec.returns, [made[s] for s in rec.new_returns], flat)
+
+
+def _taken_as(arg_before: Any, arg_now: Any, before: Any, now: Any) -> str | None:
+    """How an op took an argument in two recordings: "as is" (the float or tensor), as
+    the number it holds ("scalar": a tensor `lr`), or "negated" (SGD's `alpha=-lr`); None
+    if it did not take it."""
+    if same(arg_now, now) and same(arg_before, before):
+        return "as is"
+    if type(now) is not float or type(before) is not float:
+        return None
+    a_now, a_before = scalar(arg_now), scalar(arg_before)
+    if a_now is None or a_before is None:
+        return None
+    if same(a_now, now) and same(a_before, before):
+        return "scalar"
+    if same(-a_now, now) and same(-a_before, before):
+        return "negated"
+    return None
 
 
 def _build(template: Any, news: list[RemoteTensor], flat: list) -> Any:

@@ -123,6 +123,16 @@ def same(a: Any, b: Any) -> bool:
     return False
 
 
+def scalar(snap: Any) -> float | None:
+    """A snapshot as the one number an op takes for it (a float, or a one-element local
+    tensor such as a tensor `lr` read with `.item()`), else None."""
+    if type(snap) is float:
+        return snap
+    if type(snap) is _Snap and snap.values.numel() == 1 and snap.values.is_floating_point():
+        return float(snap.values.reshape(()).item())
+    return None
+
+
 def show(snap: Any) -> str:
     """A snapshot as an error message names it."""
     if type(snap) is _Snap:
@@ -206,26 +216,41 @@ def state(watched: tuple[list, list]) -> tuple:
     return mods, groups, hooks if modules else ()
 
 
-class _Equal:
-    """Equal to another `_Equal` of a local tensor with the same value (a tensor `lr`)."""
-
-    __slots__ = ("snap",)
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.snap = _Snap(t)
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is _Equal and same(self.snap, other.snap)
-
-    __hash__ = None
-
-
 def _hyperparameter(v: Any) -> Any:
-    """An optimizer hyperparameter as compared between calls: a local tensor by value (a
-    scheduler fills a tensor `lr` in place), a pointer by identity, the rest as it is."""
+    """An optimizer hyperparameter as compared between calls: a float or local tensor by
+    kind only (its value is an argument of the step: `hyperparameters`), a pointer by
+    identity, the rest as it is."""
     if isinstance(v, RemoteTensor):
         return _Is(v)
-    return _Equal(v) if isinstance(v, torch.Tensor) else v
+    if type(v) is float:
+        return float
+    return (torch.Tensor, TensorMeta.of(v)) if isinstance(v, torch.Tensor) else v
+
+
+Hyperparameter = tuple[torch.optim.Optimizer, int, str]  # optimizer, group index, key
+
+
+def hyperparameters(optimizers: list) -> list[Hyperparameter]:
+    """The floats and local tensors in these optimizers' param groups (`lr`, `momentum`):
+    what an LR scheduler changes between steps. A step takes their values at each call as
+    arguments it did not name (a learning rate that changes every step is replayed)."""
+    return [
+        (o, i, k)
+        for o in optimizers
+        for i, g in enumerate(o.param_groups)
+        for k, v in g.items()
+        if k != "params"
+        and (type(v) is float or (isinstance(v, torch.Tensor) and not isinstance(v, RemoteTensor)))
+    ]
+
+
+def hyperparameter_values(found: list[Hyperparameter]) -> list[Any]:
+    """Their values now (a group that is gone reads as None: the state check fails)."""
+    out = []
+    for o, i, k in found:
+        groups = o.param_groups
+        out.append(groups[i].get(k) if i < len(groups) else None)
+    return out
 
 
 def autograd_state(p: RemoteTensor | None) -> tuple | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -263,7 +264,7 @@ def test_changing_python_state_float_is_refused(local_grid):
 
 
 @pytest.mark.parametrize("lr", [lambda: 0.1, lambda: torch.tensor(0.1)], ids=["float", "tensor"])
-def test_lr_scheduler_change_records_again(local_grid, lr):
+def test_lr_scheduler_change_records_once_then_replays_lr_as_an_argument(local_grid, lr):
     """The scheduler sets a float `lr`, or fills a tensor `lr` in place."""
     model = nn.Linear(4, 1).send(local_grid.workers[0])
     opt = torch.optim.SGD(model.parameters(), lr=lr())
@@ -279,7 +280,9 @@ def test_lr_scheduler_change_records_again(local_grid, lr):
         assert step(x, y).item() == train_step(ref, ref_opt, X, Y).item()
         sched.step(), ref_sched.step()
     assert torch.equal(model.weight.get(), ref.weight.detach())
-    assert step.replays == 4  # steps 3-4 and 7-8: lr changed after step 4
+    # steps 3-4 replay with lr as recorded; step 5 (lr changed) records again, and from
+    # then on lr, seen to change between recordings, is an argument: steps 6-8 replay
+    assert (step.recordings, step.replays) == (3, 5)
 
 
 def test_remote_error_during_replay_names_the_line(local_grid):
@@ -534,3 +537,92 @@ def test_a_pointer_the_step_reads_moved_between_calls(local_grid):
             a.move(w1)  # recorded again: its value is elsewhere now
         assert torch.equal(step(x).get(), torch.arange(3.0))
     assert (step.recordings, step.replays) == (4, 2)
+
+
+def _schedule(kind: str, opt: torch.optim.Optimizer):
+    if kind == "cosine per step":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)  # per epoch of 5
+
+
+@pytest.mark.parametrize(
+    "kind, lr, counts",
+    [
+        ("cosine per step", lambda: 0.05, (3, 27)),  # it was 30 recorded, 0 replayed
+        ("cosine per step", lambda: torch.tensor(0.05), (3, 27)),
+        ("step per epoch", lambda: 0.05, (4, 26)),  # it was 3 more recordings each epoch
+    ],
+    ids=["cosine-float", "cosine-tensor", "steplr"],
+)
+def test_lr_schedulers_replay_with_the_learning_rate_as_an_argument(local_grid, kind, lr, counts):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = copy.deepcopy(ref).send(local_grid.workers[0])
+    opt = torch.optim.SGD(model.parameters(), lr=lr(), momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr(), momentum=0.9)
+    sched, ref_sched = _schedule(kind, opt), _schedule(kind, ref_opt)
+    X, Y = torch.randn(16, 6), torch.randn(16, 1)
+    x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
+    step = gg.compile(lambda x, y: train_step(model, opt, x, y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gg.RecompileWarning)  # a working schedule: no warning
+        for _ in range(30):
+            assert step(x, y).item() == train_step(ref, ref_opt, X, Y).item()
+            sched.step(), ref_sched.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.get(), q.detach())
+    assert (step.recordings, step.replays) == counts
+
+
+def test_a_scheduler_stepped_inside_the_step_is_not_replayed(local_grid):
+    model = nn.Linear(4, 1).send(local_grid.workers[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(8, 4).send(local_grid.workers[0]), torch.randn(8, 1)
+
+    def inside(x, y):
+        loss = train_step(model, opt, x, y)
+        sched.step()  # Python: a replay would not run it
+        return loss
+
+    step = gg.compile(inside)
+    for _ in range(3):
+        step(x, y)
+    assert step.replays == 0 and "step the LR scheduler outside" in step.not_replayable
+
+
+def test_a_step_that_keeps_recording_warns_once_naming_the_guard_and_line(local_grid):
+    w0 = local_grid.workers[0]
+    double = gg.compile(lambda x: x * 2)
+    with pytest.warns(gg.RecompileWarning) as caught:
+        for n in range(1, 8):
+            double(torch.ones(n).send(w0))  # a new shape every call: never replays
+    [warning] = caught.list
+    message = str(warning.message)
+    assert "recorded 4 times and replayed 0" in message
+    assert "argument 'x' changed its guard: pointer (3,) torch.float32 on w0 -> pointer (4,)" in (
+        message
+    )
+    assert f"test_compile.py:{_line('double(torch.ones(n)')}" in message  # the user's call
+    assert warning.filename == __file__
+
+
+def test_a_step_that_records_again_after_replaying_warns_with_the_reason(local_grid):
+    model = nn.Sequential(nn.Linear(4, 4)).send(local_grid.workers[0])
+    x = torch.randn(2, 4).send(local_grid.workers[0])
+    forward = gg.compile(lambda x: model(x).detach())
+    for _ in range(3):
+        forward(x)
+    assert forward.replays == 1
+    with pytest.warns(gg.RecompileWarning, match="a module's settings") as caught:
+        for i in range(6):
+            model[0].calls = i  # a module setting new at every call: each call records
+            forward(x)
+    assert len(caught.list) == 1
+
+
+def _line(text: str) -> int:
+    for i, line in enumerate(Path(__file__).read_text().splitlines(), 1):
+        if text in line and "_line(" not in line.replace(text, ""):
+            return i
+    raise AssertionError(text)
