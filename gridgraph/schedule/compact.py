@@ -183,7 +183,7 @@ def to_dot(
             out.append(f"  {src} -> {dst};")
             continue
         nbytes = sum(values[v].meta.nbytes for v in carried if v in values)
-        named = [n for n in map(user_name, carried) if n]
+        named = [label(v) for v in carried if user_name(v) or label(v).endswith(".grad")]
         text = ", ".join(named[:2] + ["..."] * (len(named) > 2) + [human_bytes(nbytes)])
         colour_dst = colour[where_of[dst]][1]
         out.append(

@@ -177,8 +177,8 @@ class Graph:
         return name if tuple(value.meta.shape) == shape else f"view of {name}"
 
     def label(self, vid: int) -> str:
-        """What to call value `vid` for people: its user name, else `op@file:line` of the op
-        that made it, else `%vid`.
+        """What to call value `vid` for people: its user name, else `NAME.grad` for the
+        gradient of a named parameter, else `op@file:line` of the op that made it, else `%vid`.
 
         >>> graph.label(3), graph.label(9)
         ('features.0.weight', 'relu@train.py:12')
@@ -196,6 +196,8 @@ class Graph:
             op, meta = value.origin
         else:
             return f"%{vid}"
+        if "grad_of" in meta:
+            return f"{meta['grad_of']}.grad"
         where = meta.get("where", "")
         short = where.rsplit("/", 1)[-1] if where and where != "<unknown>" else "?"
         return f"{op._schema.name.removeprefix('aten::')}@{short}"

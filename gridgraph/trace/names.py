@@ -5,8 +5,9 @@ and torch) once, and only where it is plain enough to read without guessing:
 
 - `x = torch.randn(8, 4).send(w0)` (one send on the line, one name assigned): `x`;
 - else a local variable bound to the very tensor sent (`X.send(w0)`): `X`;
-- a module sent as `model[0].send(w0)` prefixes its parameter names with `model[0]`;
-  `model.send(w0)` (a plain name) gives the names `named_parameters` gives (`0.weight`).
+- a module's parameter names (`named_parameters`) get the prefix of what the line sends:
+  `features.send(w0)` gives `features.0.weight`, `model[2].send(w1)` `model[2].weight`,
+  so that two models sent apart never share a name.
 
 Anything else has no name here, and is called by the op and line that made it.
 """
@@ -25,7 +26,6 @@ _ASSIGNED = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?::[^=]+)?=(?!=)")
 # What `.send(` is called on: a name followed by attributes and subscripts (`model[0].fc`).
 _RECEIVER = re.compile(r"([A-Za-z_]\w*(?:\.\w+|\[[^\[\]]*\])*)\.send\(")
 _FUNCTION_FORM = re.compile(r"\bsend\(\s*([A-Za-z_]\w*(?:\.\w+|\[[^\[\]]*\])*)\s*,")
-_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
 def _user_frame() -> FrameType | None:
@@ -62,8 +62,8 @@ def tensor_name(tensor: Any) -> str | None:
 
 
 def module_prefix() -> str:
-    """What the user's line sends a module as, when that is more than a plain name
-    (`model[0]`, `net.encoder`): the prefix for its parameter names ('' otherwise)."""
+    """What the user's line sends a module as (`features`, `model[0]`, `net.encoder`): the
+    prefix for its parameter names ('' where the line does not say plainly)."""
     frame = _user_frame()
     if frame is None:
         return ""
@@ -71,6 +71,4 @@ def module_prefix() -> str:
     if not _one_send(line):
         return ""
     found = _RECEIVER.search(line) or _FUNCTION_FORM.search(line)
-    if found is None or _IDENTIFIER.fullmatch(found.group(1)):
-        return ""
-    return found.group(1)
+    return "" if found is None else found.group(1)

@@ -37,6 +37,7 @@ from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, extent, infer
 from gridgraph.trace.scope import current as current_scope
+from gridgraph.trace.scope import gradient_of
 
 aten = torch.ops.aten
 _LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
@@ -419,7 +420,7 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
         "" if spec is None else spec.kind,
         0,
         () if not recipe.alias.written else _writes(t_args, t_kwargs, recipe.alias),
-        _meta(where, pin),
+        _meta(where, pin, owner.graph),
         (),
         recipe.sig(pin, key),
         tuple(walk.params),
@@ -434,14 +435,21 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     return _record_aliasing(owner, node, spec, recipe.alias, args, kwargs, pointer_type, eager)
 
 
-def _meta(where: str, pin: str | None) -> dict:
-    """A node's first meta: the user's file:line, the pin, the module call it is in."""
+def _meta(where: str, pin: str | None, graph: Graph) -> dict:
+    """A node's first meta: the user's file:line, the pin, the module call it is in, and
+    in backward the name of the parameter whose gradient it makes (`grad_of`)."""
     meta = {"where": where}
     if pin is not None:
         meta["pin"] = pin
     module_call = current_scope()
     if module_call is not None:
         meta["scope"] = module_call
+    else:
+        leaf = gradient_of()
+        vid = getattr(leaf, "_vid", None)
+        name = graph.user_name(vid) if vid is not None else None
+        if name is not None:
+            meta["grad_of"] = name
     return meta
 
 

@@ -35,6 +35,13 @@ def current() -> tuple[str, int] | None:
     return None if label is None else (label[0] + " backward", label[1])
 
 
+def gradient_of() -> Any:
+    """The leaf tensor whose gradient torch is accumulating now (in backward, the ops of
+    an `AccumulateGrad` node), else None."""
+    node = _current_autograd_node()
+    return getattr(node, "variable", None) if node is not None else None
+
+
 def label_module(module: torch.nn.Module, prefix: str = "") -> None:
     """Hook `module` and its submodules so ops recorded in their forward (and backward)
     carry `prefix.qualified.name (Class)`.

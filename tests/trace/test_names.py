@@ -35,8 +35,8 @@ def test_parameters_are_called_by_their_names_in_the_module_and_keep_them(local_
     head = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(4, 2))
     features.send(w0)
     head[1].send(w1)  # a part of a model: its expression prefixes the names
-    assert graph.label(features[0].weight._vid) == "0.weight"
-    assert graph.label(features[1].running_mean._vid) == "1.running_mean"  # buffers too
+    assert graph.label(features[0].weight._vid) == "features.0.weight"
+    assert graph.label(features[1].running_mean._vid) == "features.1.running_mean"  # buffers
     assert graph.label(head[1].bias._vid) == "head[1].bias"
     opt = torch.optim.SGD([*features.parameters(), *head.parameters()], lr=0.1)
     with gg.trace():
@@ -44,8 +44,9 @@ def test_parameters_are_called_by_their_names_in_the_module_and_keep_them(local_
         opt.step()
     gg.compute(*features.parameters(), *head.parameters())
     # new versions of the same storage (in-place updates) keep the name; views say so
-    assert graph.label(features[0].weight._vid) == "0.weight"
+    assert graph.label(features[0].weight._vid) == "features.0.weight"
     assert graph.label(head[1].weight.t()._vid) == "view of head[1].weight"
+    assert graph.label(features[0].weight.grad._vid) == "features.0.weight.grad"
 
 
 def test_a_value_without_a_name_is_called_by_its_op_and_line(local_grid):
@@ -67,10 +68,10 @@ def test_explain_shows_names_and_module_calls(local_grid):
     with gg.trace():
         loss = model(inputs).sum()
     text = gg.explain(loss)
-    assert "view of 0.weight 3x4 float32: w0 -> w1" in text  # a transfer, by name
-    assert "aten::addmm(0.bias, inputs, view of 0.weight)" in text  # an op's inputs
-    assert "[0 (Linear)]" in text and "[2 (Linear)]" in text  # the module call
-    assert "[1 (ReLU)]" in text
+    assert "view of model.0.weight 3x4 float32: w0 -> w1" in text  # a transfer, by name
+    assert "aten::addmm(model.0.bias, inputs, view of model.0.weight)" in text  # inputs
+    assert "[model.0 (Linear)]" in text and "[model.2 (Linear)]" in text  # the module call
+    assert "[model.1 (ReLU)]" in text
 
 
 def test_a_remote_error_names_what_the_op_read(local_grid):

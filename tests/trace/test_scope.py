@@ -31,8 +31,8 @@ def test_forward_ops_carry_the_innermost_module_call(local_grid):
     labels = [s[0] if s else None for _, s in scopes]
     # t, addmm in Linear; tanh, detach (autograd keeps tanh's output), mul in Block
     assert labels == [
-        *["0.inner (Linear)"] * 2, *["0 (Block)"] * 3,
-        *["1.inner (Linear)"] * 2, *["1 (Block)"] * 3,
+        *["model.0.inner (Linear)"] * 2, *["model.0 (Block)"] * 3,
+        *["model.1.inner (Linear)"] * 2, *["model.1 (Block)"] * 3,
         None,  # .sum() outside the model
     ]  # fmt: skip
     calls = {s for _, s in scopes if s}
@@ -46,8 +46,8 @@ def test_a_module_called_twice_is_two_calls_and_backward_is_named(local_grid):
     with gg.trace():
         layer(layer(x)).sum().backward()
     scopes = [s for _, s in _scopes(local_grid.client.graph) if s]
-    forward = {s for s in scopes if s[0] == "Linear"}
-    backward = {s for s in scopes if s[0] == "Linear backward"}
+    forward = {s for s in scopes if s[0] == "layer (Linear)"}
+    backward = {s for s in scopes if s[0] == "layer (Linear) backward"}
     assert len(forward) == 2 and {n for _, n in backward} == {n for _, n in forward}
     ops = {op for op, s in _scopes(local_grid.client.graph) if s in backward}
     assert "aten::mm" in ops  # the weight's and input's gradients
