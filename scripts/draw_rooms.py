@@ -19,7 +19,7 @@ from pathlib import Path
 import grimp
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-# What each room is for, as the README's "How it is built" says it.
+# What each room is for, as docs/internals.md's "How it is built" says it.
 ROOMS = {
     "cli": "the gridgraph command",
     "demo": "the demo",
