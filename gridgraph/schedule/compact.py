@@ -38,6 +38,7 @@ class Box:
     nodes: list[Node] = field(default_factory=list)
     stages: set[int] = field(default_factory=set)
     kept: int = 0  # stored tensors without a name that only this box reads, not drawn
+    joined: list[str] = field(default_factory=list)  # classes of calls folded in (ReLU)
 
     def label(self) -> str:
         names = list(dict.fromkeys(n.op._schema.name.removeprefix("aten::") for n in self.nodes))
@@ -46,7 +47,11 @@ class Box:
         lo, hi = min(self.stages), max(self.stages)
         stage = f"stage {lo}" if lo == hi else f"stages {lo}-{hi}"
         kept = f", reads {self.kept} stored" if self.kept else ""
-        return f"{self.title}\n{n} op{'s' * (n != 1)}: {ops}\n{stage}{kept}"
+        title = self.title
+        if self.joined:
+            head, backward = title.removesuffix(" backward"), title.endswith(" backward")
+            title = " + ".join([head, *self.joined]) + " backward" * backward
+        return f"{title}\n{n} op{'s' * (n != 1)}: {ops}\n{stage}{kept}"
 
 
 def _line_title(where: str) -> str:
@@ -94,7 +99,46 @@ def boxes(
         box.nodes.append(node)
         box.stages.add(stage[node.id])
         box_of[node.id] = box
-    return list(by_key.values()), box_of
+    return _fold_calls_without_tensors(list(by_key.values()), box_of)
+
+
+def _fold_calls_without_tensors(
+    all_boxes: list[Box], box_of: dict[int, Box]
+) -> tuple[list[Box], dict[int, Box]]:
+    """A call of a module without tensors of its own (ReLU, MaxPool2d, Flatten) joins the
+    call of its sibling next to it on its worker: the one before it in forward, the one
+    after it in backward (`features.3 (Conv2d) + ReLU + MaxPool2d`)."""
+
+    def parent(box: Box) -> str | None:
+        if box.key[0] != "module":
+            return None
+        name = box.title.removesuffix(" backward").rsplit(" (", 1)[0]
+        return name.rpartition(".")[0] + (" backward" if box.title.endswith(" backward") else "")
+
+    def owns(box: Box) -> bool:
+        return box.key[0] != "module" or len(box.key) < 5 or bool(box.key[3])
+
+    merged: dict[int, Box] = {}  # id of a folded box -> the box it joined
+    for w in dict.fromkeys(b.worker for b in all_boxes):
+        mine = [b for b in all_boxes if b.worker == w]
+        for backward in (False, True):
+            order = mine[::-1] if backward else mine
+            for before, box in zip(order, order[1:]):
+                into = merged.get(id(before), before)
+                if (
+                    not owns(box)
+                    and parent(box) is not None
+                    and parent(box) == parent(into)
+                    and box.title.endswith(" backward") == backward
+                ):
+                    merged[id(box)] = into
+                    cls = box.title.removesuffix(" backward").rsplit(" (", 1)[-1].rstrip(")")
+                    into.joined.extend([cls, *box.joined])
+                    into.nodes.extend(box.nodes)
+                    into.stages |= box.stages
+    for nid, box in box_of.items():
+        box_of[nid] = merged.get(id(box), box)
+    return [b for b in all_boxes if id(b) not in merged], box_of
 
 
 def to_dot(
@@ -136,7 +180,8 @@ def to_dot(
     ids = {id(b): f"b{i}" for i, b in enumerate(all_boxes)}
     out = [
         "digraph placement {",
-        '  graph [rankdir=TB, fontname="Helvetica", compound=true, nodesep=0.25, ranksep=0.35, '
+        '  graph [rankdir=TB, fontname="Helvetica", compound=true, newrank=true, nodesep=0.15, '
+        "ranksep=0.35, "
         f"label={quote(_title(plan))}];",
         '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11];',
         '  edge [fontname="Helvetica", fontsize=10, color="#555555"];',
@@ -184,7 +229,9 @@ def to_dot(
             continue
         nbytes = sum(values[v].meta.nbytes for v in carried if v in values)
         named = [label(v) for v in carried if user_name(v) or label(v).endswith(".grad")]
-        text = ", ".join(named[:2] + ["..."] * (len(named) > 2) + [human_bytes(nbytes)])
+        more = f" +{len(named) - 1}" if len(named) > 1 else ""
+        text = ", ".join([*named[:1], human_bytes(nbytes)]) if named else human_bytes(nbytes)
+        text = text.replace(",", more + ",", 1) if more else text
         colour_dst = colour[where_of[dst]][1]
         out.append(
             f"  {src} -> {dst} [label={quote(text)}, color={quote(colour_dst)}, "

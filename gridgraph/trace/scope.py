@@ -1,12 +1,13 @@
 """Which module call an op is recorded in: `features.0 (Conv2d)`, for pictures and `explain`.
 
 State: per thread, the stack of the calls of sent modules whose `forward` is running, each
-(label, call number), and a count of calls (one box per call, not per module). A
-module sent with `model.send(w)` gets a forward pre-hook and hook on itself and each submodule
-(once; sending again relabels). Recording reads the innermost label (`current`). The backward
-pass runs no module code, so when a module's forward returns, the hook labels the autograd
-nodes it made (from its outputs back to its inputs) in their `metadata`; recording in backward
-reads the label of the autograd node torch is running, with " backward" added.
+(label, call number, whether the module holds parameters or buffers), and a count of calls
+(one box per call, not per module). A module sent with `model.send(w)` gets a forward
+pre-hook and hook on itself and each submodule (once; sending again relabels). Recording
+reads the innermost label (`current`). The backward pass runs no module code, so when a
+module's forward returns, the hook labels the autograd nodes it made (from its outputs back
+to its inputs) in their `metadata`; recording in backward reads the label of the autograd
+node torch is running, with " backward" added.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ _KEY = "gridgraph"  # the key of our label in an autograd node's metadata
 _current_autograd_node = torch._C._current_autograd_node
 
 
-def current() -> tuple[str, int] | None:
-    """(label, call number) of the innermost sent module running now, or of the module
-    call whose backward this is; None outside both."""
+def current() -> tuple[str, int, bool] | None:
+    """(label, call number, whether the module holds tensors of its own) of the innermost
+    sent module running now, or of the module call whose backward this is; None outside
+    both."""
     stack = _state.__dict__.get("stack")
     if stack:
         return stack[-1]
@@ -32,7 +34,7 @@ def current() -> tuple[str, int] | None:
     if node is None:
         return None
     label = node.metadata.get(_KEY)
-    return None if label is None else (label[0] + " backward", label[1])
+    return None if label is None else (label[0] + " backward", *label[1:])
 
 
 def gradient_of() -> Any:
@@ -55,17 +57,18 @@ def label_module(module: torch.nn.Module, prefix: str = "") -> None:
             m.register_forward_pre_hook(_enter)
             m.register_forward_hook(_leave)
         m._gg_scope = label
+        m._gg_owns = any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))
 
 
 def _enter(module: torch.nn.Module, args: Any) -> None:
     state = _state.__dict__
     state["calls"] = calls = state.get("calls", 0) + 1
-    state.setdefault("stack", []).append((module._gg_scope, calls))
+    state.setdefault("stack", []).append((module._gg_scope, calls, module._gg_owns))
 
 
 def _leave(module: torch.nn.Module, args: Any, output: Any) -> None:
     stack = _state.__dict__.get("stack")
-    label = stack.pop() if stack else (module._gg_scope, 0)
+    label = stack.pop() if stack else (module._gg_scope, 0, module._gg_owns)
     inputs = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
     todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     seen: set = set()

@@ -77,3 +77,23 @@ def test_the_picture_of_a_training_step_fits_a_screen(mlp_step, tmp_path):
     width, height = struct.unpack(">II", png[16:24])
     print(f"compact picture of the README MLP step: {width}x{height} px")
     assert width <= 1600 and height <= 1400
+
+
+def test_calls_of_modules_without_tensors_join_their_neighbour(local_grid):
+    w0 = local_grid.workers[0]
+    features = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2), torch.nn.Flatten()
+    )
+    features.send(w0)
+    x = torch.randn(2, 1, 8, 8).send(w0)
+    with gg.trace():
+        features(x).sum().backward()
+    client = local_grid.client
+    nodes = client.graph.nodes()
+    _, placement, plan = client.compile([v for n in nodes for v in n.outputs])
+    boxes, box_of = compact.boxes(nodes, placement, node_stages(nodes, placement, plan))
+    labels = {b.label().split("\n")[0] for b in boxes}
+    assert "features.0 (Conv2d) + ReLU + MaxPool2d + Flatten" in labels
+    assert "features.0 (Conv2d) + ReLU + MaxPool2d + Flatten backward" in labels
+    assert len(boxes) == 3  # forward, backward, and the line that sums and calls backward
+    assert all(any(b is box for b in boxes) for box in box_of.values())

@@ -17,7 +17,7 @@ class Block(torch.nn.Module):
         return torch.tanh(self.inner(x)) * 2  # tanh and mul are Block's own ops
 
 
-def _scopes(graph) -> list[tuple[str, tuple[str, int] | None]]:
+def _scopes(graph) -> list[tuple[str, tuple[str, int, bool] | None]]:
     return [(n.op._schema.name, n.meta.get("scope")) for n in graph.nodes()]
 
 
@@ -48,7 +48,7 @@ def test_a_module_called_twice_is_two_calls_and_backward_is_named(local_grid):
     scopes = [s for _, s in _scopes(local_grid.client.graph) if s]
     forward = {s for s in scopes if s[0] == "layer (Linear)"}
     backward = {s for s in scopes if s[0] == "layer (Linear) backward"}
-    assert len(forward) == 2 and {n for _, n in backward} == {n for _, n in forward}
+    assert len(forward) == 2 and {s[1] for s in backward} == {s[1] for s in forward}
     ops = {op for op, s in _scopes(local_grid.client.graph) if s in backward}
     assert "aten::mm" in ops  # the weight's and input's gradients
 
