@@ -36,8 +36,7 @@ from gridgraph.errors import PlacementError, RecordError
 from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, extent, infer
-from gridgraph.trace.scope import current as current_scope
-from gridgraph.trace.scope import gradient_of
+from gridgraph.trace.scope import locate
 
 aten = torch.ops.aten
 _LOCAL_SCALAR_DENSE = aten._local_scalar_dense.default
@@ -441,11 +440,10 @@ def _meta(where: str, pin: str | None, graph: Graph) -> dict:
     meta = {"where": where}
     if pin is not None:
         meta["pin"] = pin
-    module_call = current_scope()
+    module_call, leaf = locate()
     if module_call is not None:
         meta["scope"] = module_call
-    else:
-        leaf = gradient_of()
+    elif leaf is not None:
         vid = getattr(leaf, "_vid", None)
         name = graph.user_name(vid) if vid is not None else None
         if name is not None:

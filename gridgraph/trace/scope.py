@@ -2,12 +2,13 @@
 
 State: per thread, the stack of the calls of sent modules whose `forward` is running, each
 (label, call number, whether the module holds parameters or buffers), and a count of calls
-(one box per call, not per module). A module sent with `model.send(w)` gets a forward
-pre-hook and hook on itself and each submodule (once; sending again relabels). Recording
-reads the innermost label (`current`). The backward pass runs no module code, so when a
-module's forward returns, the hook labels the autograd nodes it made (from its outputs back
-to its inputs) in their `metadata`; recording in backward reads the label of the autograd
-node torch is running, with " backward" added.
+(one box per call, not per module); for all threads, how many such calls are running. A
+module sent with `model.send(w)` gets a forward pre-hook and hook on itself and each
+submodule (once; sending again relabels). Recording reads the innermost label (`locate`).
+The backward pass runs no module code, so when a module's forward returns, the hook labels
+the autograd nodes it made (from its outputs back to its inputs) in their `metadata`;
+recording in backward reads the label of the autograd node torch is running, with
+" backward" added.
 """
 
 from __future__ import annotations
@@ -21,27 +22,26 @@ from torch.utils._pytree import tree_leaves
 _state = threading.local()
 _KEY = "gridgraph"  # the key of our label in an autograd node's metadata
 _current_autograd_node = torch._C._current_autograd_node
+_running = [0]  # calls of sent modules running now, on any thread
+_running_lock = threading.Lock()
 
 
-def current() -> tuple[str, int, bool] | None:
-    """(label, call number, whether the module holds tensors of its own) of the innermost
-    sent module running now, or of the module call whose backward this is; None outside
-    both."""
-    stack = _state.__dict__.get("stack")
-    if stack:
-        return stack[-1]
+def locate() -> tuple[tuple[str, int, bool] | None, Any]:
+    """Where an op recorded now is: (label, call number, whether the module holds tensors
+    of its own) of the innermost sent module running, or of the module call whose backward
+    this is, else None; and in backward, the leaf whose gradient torch is accumulating (an
+    `AccumulateGrad` node's variable), else None. One look at torch's autograd state."""
+    if _running[0]:  # (a thread-local read costs more than the rest: skip it when none)
+        stack = _state.__dict__.get("stack")
+        if stack:
+            return stack[-1], None
     node = _current_autograd_node()
     if node is None:
-        return None
+        return None, None
     label = node.metadata.get(_KEY)
-    return None if label is None else (label[0] + " backward", *label[1:])
-
-
-def gradient_of() -> Any:
-    """The leaf tensor whose gradient torch is accumulating now (in backward, the ops of
-    an `AccumulateGrad` node), else None."""
-    node = _current_autograd_node()
-    return getattr(node, "variable", None) if node is not None else None
+    if label is not None:
+        return (label[0] + " backward", *label[1:]), None
+    return None, getattr(node, "variable", None)
 
 
 def label_module(module: torch.nn.Module, prefix: str = "") -> None:
@@ -64,11 +64,15 @@ def _enter(module: torch.nn.Module, args: Any) -> None:
     state = _state.__dict__
     state["calls"] = calls = state.get("calls", 0) + 1
     state.setdefault("stack", []).append((module._gg_scope, calls, module._gg_owns))
+    with _running_lock:
+        _running[0] += 1
 
 
 def _leave(module: torch.nn.Module, args: Any, output: Any) -> None:
     stack = _state.__dict__.get("stack")
     label = stack.pop() if stack else (module._gg_scope, 0, module._gg_owns)
+    with _running_lock:
+        _running[0] = max(0, _running[0] - 1)
     inputs = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
     todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     seen: set = set()
