@@ -3,14 +3,22 @@
 `local_grid(n)` builds one in this process over a `LocalBus`; `connect()` (ipfs/client.py) builds
 one over Kubo. Both hand a `Client` and worker names to `Grid`; nothing above the transport
 differs.
+
+State: `_module_tensors`, from each local parameter or buffer a module sent to the pointer
+that replaced it (both held weakly). Policy: a tensor that modules share (weights tied as
+`head.weight = embed.weight`) is sent once and every module gets the same pointer, whether
+the modules go in one `send` or one after the other: one parameter, as `module.to()` keeps
+it, on the worker it was first sent to.
 """
 
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client.client import Client
@@ -54,6 +62,7 @@ class Grid:
         self.workers = [WorkerRef(self, name) for name in client.workers]
         self.local_workers = list(local_workers)  # the in-process runtimes, if any
         self._on_close = on_close
+        self._module_tensors = WeakIdKeyDictionary()  # local tensor -> weakref to its pointer
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -84,13 +93,25 @@ class Grid:
         return [self.client.make_pointer(v.id, t.requires_grad) for v, t in zip(values, tensors)]
 
     def send_module(self, module: torch.nn.Module, worker: WorkerRef) -> torch.nn.Module:
-        """Replace `module`'s parameters and buffers by pointers on `worker` (in place)."""
+        """Replace `module`'s parameters and buffers by pointers on `worker` (in place).
+
+        A tensor shared with another module (tied weights) keeps one pointer: sent once, and
+        where a module sent before took it along, that module's pointer (on its worker)."""
         self._check_worker(worker)
         slots = [(m, kind, name, t) for m in module.modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for name, t in table.items() if t is not None]  # fmt: skip
-        pointers = self.send_many([t for *_, t in slots], worker)
-        for (m, kind, name, _), p in zip(slots, pointers):
+        pointers = WeakIdKeyDictionary()
+        for *_, t in slots:
+            sent = self._module_tensors.get(t)
+            if sent is not None and sent() is not None:
+                pointers[t] = sent()
+        fresh = list({id(t): t for *_, t in slots if t not in pointers}.values())
+        for t, p in zip(fresh, self.send_many(fresh, worker)):
+            pointers[t] = p
+            self._module_tensors[t] = weakref.ref(p)
+        for m, kind, name, t in slots:
+            p = pointers[t]
             if kind == "param":
                 p._is_param = True  # what nn.Parameter does for tensor subclasses
                 m._parameters[name] = p
