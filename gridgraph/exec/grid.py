@@ -101,17 +101,18 @@ class Grid:
         slots = [(m, kind, name, t) for m in module.modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for name, t in table.items() if t is not None]  # fmt: skip
-        pointers = WeakIdKeyDictionary()
+        pointers: dict[int, RemoteTensor] = {}  # by id(local tensor); `slots` holds them
         for *_, t in slots:
-            sent = self._module_tensors.get(t)
-            if sent is not None and sent() is not None:
-                pointers[t] = sent()
-        fresh = list({id(t): t for *_, t in slots if t not in pointers}.values())
+            ref = self._module_tensors.get(t)
+            p = ref() if ref is not None else None
+            if p is not None:
+                pointers[id(t)] = p
+        fresh = list({id(t): t for *_, t in slots if id(t) not in pointers}.values())
         for t, p in zip(fresh, self.send_many(fresh, worker)):
-            pointers[t] = p
+            pointers[id(t)] = p
             self._module_tensors[t] = weakref.ref(p)
         for m, kind, name, t in slots:
-            p = pointers[t]
+            p = pointers[id(t)]
             if kind == "param":
                 p._is_param = True  # what nn.Parameter does for tensor subclasses
                 m._parameters[name] = p
