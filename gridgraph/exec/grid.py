@@ -3,14 +3,22 @@
 `local_grid(n)` builds one in this process over a `LocalBus`; `connect()` (ipfs/client.py) builds
 one over Kubo. Both hand a `Client` and worker names to `Grid`; nothing above the transport
 differs.
+
+State: `_module_tensors`, from each local parameter or buffer a module sent to the pointer
+that replaced it (both held weakly). Policy: a tensor that modules share (weights tied as
+`head.weight = embed.weight`) is sent once and every module gets the same pointer, whether
+the modules go in one `send` or one after the other: one parameter, as `module.to()` keeps
+it, on the worker it was first sent to.
 """
 
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client.client import Client
@@ -55,6 +63,7 @@ class Grid:
         self.workers = [WorkerRef(self, name) for name in client.workers]
         self.local_workers = list(local_workers)  # the in-process runtimes, if any
         self._on_close = on_close
+        self._module_tensors = WeakIdKeyDictionary()  # local tensor -> weakref to its pointer
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -91,17 +100,32 @@ class Grid:
     def send_module(self, module: torch.nn.Module, worker: WorkerRef) -> torch.nn.Module:
         """Replace `module`'s parameters and buffers by pointers on `worker` (in place).
         They are called by their names in the module (`features.0.weight`), and ops in
-        its forward and backward by the module call (`features.0 (Conv2d)`)."""
+        its forward and backward by the module call (`features.0 (Conv2d)`).
+
+        A tensor shared with another module (tied weights) keeps one pointer: sent once, and
+        where a module sent before took it along, that module's pointer (on its worker),
+        under the name it was first sent by."""
         self._check_worker(worker)
         prefix = names.module_prefix()
         slots = [(m, kind, name, t, ".".join(p for p in (prefix, path, name) if p))
                  for path, m in module.named_modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
                  for name, t in table.items() if t is not None]  # fmt: skip
-        pointers = self.send_many([t for _, _, _, t, _ in slots], worker)
+        pointers: dict[int, RemoteTensor] = {}  # by id(local tensor); `slots` holds them
+        for *_, t, _ in slots:
+            ref = self._module_tensors.get(t)
+            p = ref() if ref is not None else None
+            if p is not None:
+                pointers[id(t)] = p
+        fresh = {id(t): (t, full_name) for *_, t, full_name in slots if id(t) not in pointers}
+        sent = self.send_many([t for t, _ in fresh.values()], worker)
         graph = self.client.graph
-        for (m, kind, name, _, full_name), p in zip(slots, pointers):
+        for (t, full_name), p in zip(fresh.values(), sent):
+            pointers[id(t)] = p
+            self._module_tensors[t] = weakref.ref(p)
             graph.name(p._vid, full_name)
+        for m, kind, name, t, _ in slots:
+            p = pointers[id(t)]
             if kind == "param":
                 p._is_param = True  # what nn.Parameter does for tensor subclasses
                 m._parameters[name] = p

@@ -149,7 +149,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     ),
     # new tensors shaped after an input (uninitialised ones are zero-filled)
     "creation from a tensor": (
-        "complex", "empty_like", "fill.Scalar", "fill_.Scalar", "full_like",
+        "complex", "empty_like", "fill.Scalar", "fill.Tensor", "fill_.Scalar", "fill_.Tensor",
+        "full_like",
         "linspace.Scalar_Tensor", "linspace.Tensor_Scalar", "linspace.Tensor_Tensor",
         "logspace.Scalar_Tensor", "logspace.Tensor_Scalar", "logspace.Tensor_Tensor", "new_empty",
         "new_empty_strided", "new_full", "new_ones", "new_zeros", "ones_like", "polar", "zero_",

@@ -114,6 +114,12 @@ CASES = {
         lambda a: (a.scatter(1, torch.tensor([[0], [2]]), 9.0), a.masked_fill(a > 0, 0.0)),
         r(2, 3),
     ),
+    # a value given as a 0-dim tensor, remote or local (older torch's `a[i] = 7.0` does this)
+    "fill_tensor": (
+        lambda a, b: (torch.fill(a, b), a.clone().fill_(b), a[1].fill_(torch.tensor(7.0)), a),
+        r(3, 4),
+        r(()),
+    ),
     # views
     "views": (
         lambda a: (

@@ -353,6 +353,12 @@ _CONVOLUTIONS = frozenset({"aten::convolution", "aten::convolution_backward"})
 # int64 for count_nonzero.
 _COPYING_REDUCTIONS = frozenset({"aten::aminmax", "aten::count_nonzero", "aten::logsumexp",
                                  "aten::max", "aten::min"})  # fmt: skip
+# Reductions: torch tags them `reduction` from 2.7 on; named here so that the estimate is the
+# same on every torch the package supports.
+_REDUCTIONS = frozenset({"aten::" + name for name in (
+    "all", "amax", "amin", "aminmax", "any", "argmax", "argmin", "count_nonzero",
+    "linalg_vector_norm", "logsumexp", "max", "mean", "min", "nansum", "norm", "prod", "std",
+    "std_mean", "sum", "var", "var_mean")})  # fmt: skip
 _MVLGAMMA = frozenset({"aten::mvlgamma", "aten::mvlgamma_"})
 _FFTS = frozenset({"aten::_fft_r2c", "aten::_fft_c2c", "aten::_fft_c2r"})
 FFT_WORK = 200.0  # per element and halving (n log2 n; a prime length: 92-187 ns an element)
@@ -390,7 +396,7 @@ def op_scratch(op: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor],
         return p * (1 + elements) * width + elements
     if name in _COPYING_REDUCTIONS:
         return sum(t.numel() * max(8, width) for t in inputs)
-    if name in _LAYOUTS or torch.Tag.pointwise in op.tags or torch.Tag.reduction in op.tags:
+    if name in _LAYOUTS or torch.Tag.pointwise in op.tags or name in _REDUCTIONS:
         return _casts(inputs, outputs, width)
     if name in _SORTS:
         return sum(t.numel() * (2 * width + 16) for t in inputs)
