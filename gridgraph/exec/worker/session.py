@@ -16,9 +16,10 @@ reset any of it:
                session when its runs named the sender (`named`), else to the sender
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
 
-All of it counts against the session's memory limit (`memory()`), and all of it goes when the
-client says `bye` or its lease expires; `EndedSessions` remembers why a session ended. How a
-request is served: run.py.
+All of it counts against the session's memory limit (`memory()`); what the worker charged its
+peer in its memory budget (budget.py: records, queue, inbox) is given back through `release`.
+All of it goes when the client says `bye` or its lease expires; `EndedSessions` remembers why
+a session ended. How a request is served: run.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.safety.budget import QUEUED_BYTES
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -98,6 +100,7 @@ class Session:
         self.named: OrderedDict[str, None] = OrderedDict()
         self.stray: set[tuple[tuple[int, int, str], str]] = set()  # (key, sender) not named
         self.release_stray: Callable[[str, int], None] = lambda sender, nbytes: None
+        self.release: Callable[[int], None] = lambda nbytes: None  # (budget.py, of `peer`)
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         # (request, or None until served if it came while others waited; arrival; payload)
@@ -137,6 +140,7 @@ class Session:
         rec = self.records[rid] = Record()
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
+            self.release(RECORD_BYTES)
             self._reply_bytes -= len(old.reply or b"")
             old.reply = None
         return rec
@@ -234,6 +238,7 @@ class Session:
             self.release_stray(sender, len(payload) + TRANSFER_BYTES)
         else:
             self._inbox_bytes -= len(payload) + TRANSFER_BYTES
+            self.release(len(payload) + TRANSFER_BYTES)
 
     def abort(self, run: Any) -> None:
         if type(run) is not int:
@@ -264,15 +269,17 @@ class Session:
                 for sender, payload in got.items():
                     self._uncharge(key, sender, payload)
             self.inbox.clear()
+            self.release(self.queued_bytes + QUEUED_BYTES * len(self.queue))
+            self.release(RECORD_BYTES * len(self.records))
+            self.queue.clear()
+            self.queued_bytes = 0
+            self.records.clear()
             self.cv.notify_all()
         n = self.work.clear()
         if self.executor is not None:
             self.executor.close()
-        self.records.clear()
         self._with_reply.clear()
         self.sent.clear()
-        self.queue.clear()
-        self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n
 
