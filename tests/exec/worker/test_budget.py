@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from gridgraph.exec.safety.budget import MemoryBudget
-from gridgraph.exec.safety.limits import TRANSFER_BYTES
+from gridgraph.exec.safety.limits import TRANSFER_BYTES, Limits, machine_memory
 from tests.exec.worker.arena import local_arena
 from tests.exec.worker.flood import MiB, flood, local_worker, rss
 
@@ -84,3 +84,13 @@ def test_a_budget_grants_each_peer_its_share_and_never_more_than_the_cap():
     assert unlimited.charge("a", 1 << 60) and unlimited.fits("a", 1 << 60)
     with pytest.raises(ValueError, match="positive"):
         MemoryBudget(0)
+
+
+def test_gridgraph_worker_takes_its_network_process_cap():
+    from gridgraph.cli import parser
+
+    args = ["worker", "--ipfs", "/ip4/127.0.0.1/tcp/5001", "--name", "w1"]
+    assert parser().parse_args([*args, "--max-worker-memory", "2GiB"]).max_worker_memory == 2 << 30
+    default = parser().parse_args(args).max_worker_memory
+    assert default == Limits().max_worker_memory == machine_memory() // 4
+    assert Limits.unlimited().max_worker_memory is None  # (what gg.local_grid uses)
