@@ -84,8 +84,10 @@ class Limits:
                          idle one; a session a transfer opens counts against the
                          transfer's sender until its client adopts it. A quarter of
                          `max_executors`, so no one peer holds every executor place.
-    max_executors        executor processes at once (each holds some 15 MB): a session
-                         that needs one past that is refused until another session ends.
+    max_executors        executor processes at once (each holds some 15 MB), each peer
+                         a fair share of them (budget.fair_share): a session past it
+                         takes the place of an idle one that stores nothing (its executor
+                         starts again on its next request), else is refused until one ends.
     max_worker_memory    bytes the network process holds for all peers at once (requests
                          waiting to run, their records, transfers no run named, payloads
                          being fetched), each peer at most a 1/`peer_shares` of it

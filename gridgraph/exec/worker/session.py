@@ -114,6 +114,7 @@ class Session:
         # the process running its programs (isolation/executor.py), if any
         self.executor: Any = None
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
+        self.seeded = False  # a seed request came: its random stream is its own (shares.py)
         self._reply_bytes = 0
         self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
         self._inbox_bytes = 0

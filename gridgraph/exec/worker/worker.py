@@ -67,6 +67,7 @@ from gridgraph.exec.worker.run import (
     transfer_key,
 )
 from gridgraph.exec.worker.session import EndedSessions, ExecutorLost, RequestError, Session
+from gridgraph.exec.worker.shares import make_place
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -530,6 +531,7 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, session.reply_topic, reply, counted=True)
             return
+        session.seeded |= kind == "seed"  # (its executor then holds its random stream)
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
             session.name_workers(peers.values())
@@ -538,7 +540,10 @@ class Worker:
             reply = answer(self, session, msg, len(payload))
         else:
             try:
-                if session.executor is None:
+                if session.executor is None:  # a place within its peer's fair share (shares.py)
+                    with self._lock:
+                        sessions = list(self.sessions.values())
+                    make_place(session, sessions, self.limits.max_executors)
                     session.executor = self.isolation.start(
                         self.name,
                         session.key,
