@@ -113,10 +113,11 @@ class MemoryBudget:
             held, total = self._held.get(peer, 0), self._total
         if self.share is not None and held + nbytes > self.share:
             return LimitExceeded(
-                f"{what} would make this worker's network process hold "
-                f"{format_size(held + nbytes)} for your peer, over its share of "
-                f"{format_size(self.share)} (max_worker_memory / {self.shares} peers); wait "
-                f"for the replies to your earlier requests, then send it again"
+                f"{what} ({format_size(nbytes)}) would take your peer past its share of this "
+                f"worker's memory, {format_size(self.share)} (max_worker_memory / "
+                f"{self.shares} peers): its network process holds {format_size(held)} for "
+                f"your peer already; wait for the replies to your earlier requests, then send "
+                f"it again"
             )
         return LimitExceeded(
             f"{what} does not fit: this worker's network process holds {format_size(total)} "

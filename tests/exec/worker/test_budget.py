@@ -74,7 +74,9 @@ def test_a_budget_grants_each_peer_its_share_and_never_more_than_the_cap():
     assert budget.charge("b", 30) and budget.charge("c", 40) and budget.charge("d", 40)
     assert budget.held() == 150 and not budget.charge("e", 11)  # the cap
     assert "cap" in str(budget.refusal("e", 11, "this")) and budget.charge("e", 10)
-    assert "share of 40 bytes" in str(budget.refusal("a", 1, "this request"))
+    assert "past its share of this worker's memory, 40 bytes" in str(
+        budget.refusal("a", 1, "this request")
+    )
     budget.release("a", 40)
     assert not budget.charge("b", 5, within=32) and budget.charge("b", 2, within=32)
     assert budget.held("a") == 0 and budget.held() == 122 and budget.peers() == 4
