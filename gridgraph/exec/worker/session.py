@@ -17,7 +17,7 @@ reset any of it:
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
 
 All of it counts against the session's memory limit (`memory()`); what the worker charged its
-peer in its memory budget (budget.py: records, queue, inbox) is given back through `release`.
+peer in its memory budget (budget.py: records, queue, inbox, sent) goes back through `release`.
 All of it goes when the client says `bye` or its lease expires; `EndedSessions` remembers why
 a session ended. How a request is served: run.py.
 """
@@ -100,7 +100,9 @@ class Session:
         self.named: OrderedDict[str, None] = OrderedDict()
         self.stray: set[tuple[tuple[int, int, str], str]] = set()  # (key, sender) not named
         self.release_stray: Callable[[str, int], None] = lambda sender, nbytes: None
-        self.release: Callable[[int], None] = lambda nbytes: None  # (budget.py, of `peer`)
+        # What the worker charges `peer` in its memory budget (budget.py), and gives back.
+        self.charge: Callable[[int], bool] = lambda nbytes: True
+        self.release: Callable[[int], None] = lambda nbytes: None
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         # (request, or None until served if it came while others waited; arrival; payload)
@@ -165,18 +167,28 @@ class Session:
     ) -> None:
         """Keep a transfer this session sent to identity `peer`, for a resend (ipfs): the
         TRANSFERS_KEPT latest, within the room the rest of the session's memory leaves
-        under `cap` (None: no limit). The oldest go first; one larger than that room is not
-        kept (it cannot be sent again)."""
+        under `cap` (None: no limit) and that the worker's memory budget grants (`charge`).
+        The oldest go first; one larger than that room is not kept (it cannot be sent
+        again)."""
         _, old, _ = self.sent.pop(key, ("", b"", 0))
         self._sent_bytes -= len(old)
+        self.release(len(old))
         room = None if cap is None else cap - (self.memory() - self._sent_bytes)
         if room is not None and len(payload) > room:
             return
+        while not self.charge(len(payload)):
+            if not self.sent:
+                return
+            self._drop_oldest_sent()
         self.sent[key] = [peer, payload, 0]
         self._sent_bytes += len(payload)
         while len(self.sent) > TRANSFERS_KEPT or room is not None and self._sent_bytes > room:
-            _, (_, dropped, _) = self.sent.popitem(last=False)
-            self._sent_bytes -= len(dropped)
+            self._drop_oldest_sent()
+
+    def _drop_oldest_sent(self) -> None:
+        _, (_, dropped, _) = self.sent.popitem(last=False)
+        self._sent_bytes -= len(dropped)
+        self.release(len(dropped))
 
     def name_workers(self, identities: Any) -> None:
         """Identities a run of this session named for its workers. What a run may not name
@@ -280,6 +292,7 @@ class Session:
         if self.executor is not None:
             self.executor.close()
         self._with_reply.clear()
+        self.release(self._sent_bytes)
         self.sent.clear()
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n

@@ -342,6 +342,7 @@ class Worker:
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
                 session.release_stray = self._release_stray
+                session.charge = lambda nbytes: self.budget.charge(peer, nbytes)
                 session.release = lambda nbytes: self.budget.release(peer, nbytes)
             session.opened_by = opened_by
             return session
@@ -664,7 +665,7 @@ class Worker:
         """Send a transfer to worker `dst`, only to identity `peer` (the one its run names; on
         IPFS sealed for it), and keep it a while, in case that identity asks again. # ipfs:
         Kept within the client's memory limit, as far as the rest of what the session holds
-        leaves room."""
+        leaves room, and within its peer's share of the memory budget."""
         session.keep_sent((*run_value, dst), peer, payload, self.limits.max_client_memory)
         self._publish(session, worker_topic(dst), payload, counted=True, to=peer)
 

@@ -9,9 +9,13 @@ client limit per sending node. Here eight peers, each with its own identity, do 
 from __future__ import annotations
 
 import pytest
+import torch
 
+import gridgraph as gg
 from gridgraph.exec.safety.budget import MemoryBudget
 from gridgraph.exec.safety.limits import TRANSFER_BYTES, Limits, machine_memory
+from tests.exec.hostile import run
+from tests.exec.local_peer import Peer
 from tests.exec.worker.arena import local_arena
 from tests.exec.worker.flood import MiB, flood, local_worker, rss
 
@@ -96,3 +100,22 @@ def test_gridgraph_worker_takes_its_network_process_cap():
     default = parser().parse_args(args).max_worker_memory
     assert default == Limits().max_worker_memory == machine_memory() // 4
     assert Limits.unlimited().max_worker_memory is None  # (what gg.local_grid uses)
+
+
+def test_transfers_a_session_sent_are_kept_for_resending_only_within_its_peers_share():
+    # A session's runs can send large transfers to an identity that never takes them; each
+    # is kept for a resend in the network process, up to the client's memory limit per
+    # session: 16 sessions per peer of it.
+    with gg.local_grid(2, limits=Limits(max_worker_memory=16 * MiB)) as grid:  # 1 MiB shares
+        worker, peer = grid.local_workers[0], Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.zeros(1 << 16)]]})["ok"]
+        for run_id in range(1, 9):  # 256 KiB each, 2 MiB in all
+            sends = run([["send", [0], "w1"]], [1], run_id=run_id, peers={"w1": "nobody"})
+            assert peer.request("w0", sends)["ok"]
+        session = worker.sessions["mallory/s"]
+        kept = sum(len(payload) for _, payload, _ in session.sent.values())
+        assert 0 < kept <= worker.budget.held("mallory") <= worker.budget.share
+        assert 0 < len(session.sent) < 8  # the oldest went first
+        assert max(session.sent)[0] == 8  # (key: run, value, worker)
+        assert peer.request("w0", {"kind": "bye"})["ok"]
+        assert worker.budget.held("mallory") == 0
