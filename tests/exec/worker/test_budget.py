@@ -119,3 +119,11 @@ def test_transfers_a_session_sent_are_kept_for_resending_only_within_its_peers_s
         assert max(session.sent)[0] == 8  # (key: run, value, worker)
         assert peer.request("w0", {"kind": "bye"})["ok"]
         assert worker.budget.held("mallory") == 0
+
+
+def test_a_client_past_its_peers_share_gets_an_error_saying_which_limit_and_what_to_do():
+    with gg.local_grid(1, limits=Limits(max_worker_memory=16 * MiB)) as grid:  # 1 MiB shares
+        with pytest.raises(gg.RemoteError, match=r"share of this worker's memory, 1\.0 MiB"):
+            torch.zeros(1 << 19).send(grid.workers[0])  # 2 MiB
+        small = torch.arange(4.0)
+        assert torch.equal((small.send(grid.workers[0]) * 2).get(), small * 2)  # goes on
