@@ -19,9 +19,12 @@ arriving last still finds a slot free.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from gridgraph.exec.safety.limits import LimitExceeded, Limits, format_size
+
+log = logging.getLogger("gridgraph.worker")
 
 # Bytes charged for a request waiting in a session's queue, beside its payload (the queue's
 # tuple, the bytes object's header, its share of the deque).
@@ -61,8 +64,18 @@ class MemoryBudget:
 
     @classmethod
     def of(cls, limits: Limits) -> MemoryBudget:
-        """The budget `limits` grant (max_worker_memory, peer_shares)."""
-        return cls(limits.max_worker_memory, limits.peer_shares)
+        """The budget `limits` grant (max_worker_memory, peer_shares); a warning if a peer's
+        share is below max_message_bytes (a message that large would be refused)."""
+        budget = cls(limits.max_worker_memory, limits.peer_shares)
+        if budget.share is not None and budget.share < limits.max_message_bytes:
+            log.warning(
+                "each peer's share of this worker's memory is %s (max_worker_memory / %d), "
+                "under the largest message it takes, %s (max_message_bytes): larger requests "
+                "will be refused; raise --max-worker-memory to %s or more to take them",
+                format_size(budget.share), budget.shares, format_size(limits.max_message_bytes),
+                format_size(limits.max_message_bytes * budget.shares),
+            )  # fmt: skip
+        return budget
 
     def charge(self, peer: str, nbytes: int, within: int | None = None) -> bool:
         """Charge `peer` `nbytes` more; False, and nothing charged, past its share, the cap,

@@ -127,3 +127,12 @@ def test_a_client_past_its_peers_share_gets_an_error_saying_which_limit_and_what
             torch.zeros(1 << 19).send(grid.workers[0])  # 2 MiB
         small = torch.arange(4.0)
         assert torch.equal((small.send(grid.workers[0]) * 2).get(), small * 2)  # goes on
+
+
+def test_a_worker_whose_shares_are_under_its_largest_message_says_so(caplog):
+    MemoryBudget.of(Limits(max_worker_memory=256 * MiB, max_message_bytes=16 * MiB))
+    assert not caplog.records  # shares of 16 MiB: a 16 MiB message fits
+    MemoryBudget.of(Limits(max_worker_memory=64 * MiB, max_message_bytes=16 * MiB))
+    [warning] = caplog.records
+    text = warning.getMessage()
+    assert "4.0 MiB" in text and "16.0 MiB" in text and "--max-worker-memory to 256.0 MiB" in text
