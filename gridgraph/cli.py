@@ -3,6 +3,7 @@
     gridgraph worker --ipfs /ip4/127.0.0.1/tcp/5001 --name w1 [--lease 300] [--log-level INFO]
                      [--max-client-memory 4GiB] [--max-request-seconds 300]
                      [--max-message-size 256MiB] [--max-requests-per-second 500]
+                     [--max-worker-memory 8GiB]         # default: a quarter of the machine
                      [--allow-peers FILE]                # serve only the peers listed
     gridgraph id --ipfs /ip4/127.0.0.1/tcp/5001        # the node's peer ID, for trust lists
     gridgraph ipfs up --nodes 3 --root /tmp/swarm      # private loopback Kubo swarm
@@ -36,6 +37,7 @@ def _worker(args: argparse.Namespace) -> int:
         requests_per_second=args.max_requests_per_second,
         request_burst=max(1, int(4 * args.max_requests_per_second)),
         max_executors=args.max_executors,
+        max_worker_memory=args.max_worker_memory,
     )
     if args.isolate:
         _shield_worker()
@@ -104,6 +106,15 @@ def parser() -> argparse.ArgumentParser:
         default=defaults.max_request_seconds,
         metavar="S",
         help="a request running longer is stopped and undone (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--max-worker-memory",
+        type=parse_size,
+        default=defaults.max_worker_memory,
+        metavar="SIZE",
+        help="bytes this worker's network process holds for all peers at once: requests "
+        "waiting to run, transfers, payloads being fetched; each peer gets a 1/16 share, and "
+        "what would go past it is refused (default: a quarter of this machine's memory)",
     )
     worker.add_argument(
         "--max-message-size",

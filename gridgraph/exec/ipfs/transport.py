@@ -10,9 +10,12 @@ Policy:
 - a payload over INLINE_MAX travels as BLOCK_SIZE blocks that its message names: under
   go-libp2p-pubsub's 1 MiB message cap (it drops larger ones silently) and the block cap;
 - the reader thread never waits on the network (`_receive`): block payloads are fetched by
-  ASSEMBLERS assemblers, at most PENDING_PER_PEER for one sending peer (more are dropped, and
-  resent), FETCH_WINDOW blocks at a time, delivered whole or dropped at the first block not
-  fetched within `fetch_timeout` s: bogus CIDs cost only their sender's share;
+  ASSEMBLERS assemblers, shared fairly among the sending peers (`_admit`: at most
+  PENDING_PER_PEER each, and never more than `budget.fair_share` of them while others wait;
+  more are dropped, and resent), their declared bytes charged to the sending peer in the
+  memory `budget` while fetched, FETCH_WINDOW blocks at a time, delivered whole or dropped at
+  the first block not fetched within `fetch_timeout` s: bogus CIDs cost only their sender's
+  share;
 - sealed (`GridTransport`): for `to`, else for the endpoint the topic names; topics on the
   wire are hashes (but the discovery topic, read by all); blocks hold ciphertext only; a peer
   not in `allow` is dropped before anything is opened;
@@ -42,6 +45,7 @@ from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
+from gridgraph.exec.safety.budget import MemoryBudget, fair_share
 from gridgraph.exec.transport import Handler, Transport
 
 log = logging.getLogger(__name__)
@@ -150,6 +154,7 @@ class IpfsTransport(Transport):
         deliver_own: bool = False,
         fetch_timeout: float = 30.0,
         kubo: Kubo | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         super().__init__()
         self.kubo = kubo or Kubo(api)
@@ -164,6 +169,9 @@ class IpfsTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self._pending: dict[str, int] = {}  # sending peer -> block payloads in flight
+        # what the payloads being fetched will hold, per sending peer (a worker's, shared
+        # with its runtime: one budget for its network process)
+        self.budget = budget or MemoryBudget(None)
         self._assembler = ThreadPoolExecutor(ASSEMBLERS, thread_name_prefix="ipfs-assemble")
         self._fetcher = ThreadPoolExecutor(
             ASSEMBLERS * FETCH_WINDOW, thread_name_prefix="ipfs-fetch"
@@ -288,9 +296,9 @@ class IpfsTransport(Transport):
 
     def _receive(self, topic: str, peer: str, message: bytes) -> None:
         """On the reader thread: open the message; hand inline data over (handlers only
-        enqueue), and leave a block payload to an assembler, if its sending peer has fewer
-        than PENDING_PER_PEER in flight and one of the ASSEMBLERS is free; else drop it (its
-        sender resends). No payload waits behind another peer's blocks."""
+        enqueue), and leave a block payload to an assembler if `_admit` lets its sending
+        peer have one more; else drop it (its sender resends). No payload waits behind
+        another peer's blocks."""
         try:
             opened = self._open(topic, peer, message)
         except (MalformedEnvelope, secure.Rejected) as error:
@@ -302,21 +310,34 @@ class IpfsTransport(Transport):
         if "d" in envelope:
             self._hand(topic, sender, envelope["d"])
             return
-        with self._lock:
-            pending = self._pending.get(peer, 0)
-            if pending >= PENDING_PER_PEER or sum(self._pending.values()) >= ASSEMBLERS:
-                size = envelope["t"]
-                log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
-                            "are being fetched already", size, topic, peer, pending)  # fmt: skip
-                return
-            self._pending[peer] = pending + 1
+        if not self._admit(topic, peer, envelope["t"]):
+            return
         if not self._wanted(sender, envelope):
-            self._done(peer)
+            self._done(peer, envelope["t"])
             return
         try:
             self._assembler.submit(self._assemble, topic, peer, sender, envelope)
         except RuntimeError:  # closed meanwhile
-            self._done(peer)
+            self._done(peer, envelope["t"])
+
+    def _admit(self, topic: str, peer: str, size: int) -> bool:
+        """Whether node `peer` may have one more block payload of `size` bytes fetched now:
+        one of the ASSEMBLERS is free, the peer has fewer than PENDING_PER_PEER and than its
+        fair share of them among the peers fetching (so that 8 nodes cannot hold all 32 while
+        another waits), and its memory budget has room for `size`. Logged if not."""
+        with self._lock:
+            pending = self._pending.get(peer, 0)
+            share = fair_share(ASSEMBLERS, len(self._pending.keys() | {peer}))
+            if pending >= min(PENDING_PER_PEER, share) or sum(self._pending.values()) >= ASSEMBLERS:
+                log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
+                            "are being fetched already", size, topic, peer, pending)  # fmt: skip
+                return False
+            if not self.budget.charge(peer, size):
+                log.warning("dropped a %d-byte message on %r from %s: %s", size, topic, peer,
+                            self.budget.refusal(peer, size, "its payload"))  # fmt: skip
+                return False
+            self._pending[peer] = pending + 1
+            return True
 
     def _assemble(self, topic: str, peer: str, sender: str, envelope: dict) -> None:
         """On an assembler thread: fetch a payload's blocks (on fetch threads of its own),
@@ -339,11 +360,14 @@ class IpfsTransport(Transport):
             return
         finally:
             self._release(envelope, peer, delivered=payload is not None)
-            self._done(peer)
+            self._done(peer, envelope["t"])
         self._hand(topic, sender, payload)
         self._received(sender, envelope)
 
-    def _done(self, peer: str) -> None:
+    def _done(self, peer: str, size: int) -> None:
+        """A block payload of node `peer`, of `size` bytes, is no longer fetched (handed over
+        to the handlers, whose own budget counts it from then on, or dropped)."""
+        self.budget.release(peer, size)
         with self._lock:
             self._pending[peer] -= 1
             if not self._pending[peer]:

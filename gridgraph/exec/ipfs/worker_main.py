@@ -31,6 +31,7 @@ from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
+from gridgraph.exec.safety.budget import MemoryBudget
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker.worker import Worker
 
@@ -66,9 +67,12 @@ def run_worker(
     stop = stop or threading.Event()
     max_payload = min(MAX_PAYLOAD, limits.max_message_bytes)
     allow = trusted_peers(load_trust(allow_peers)) if allow_peers else None
+    # One memory budget for the process: payloads being fetched and what the runtime keeps.
+    budget = MemoryBudget.of(limits)
     transport = open_transport(
-        WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload, allow=allow
-    )
+        WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload, allow=allow,
+        budget=budget,
+    )  # fmt: skip
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -118,6 +122,7 @@ def _serve_as_worker(
         limits=limits,
         isolation=isolation,
         peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
+        budget=transport.budget,
     )
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False

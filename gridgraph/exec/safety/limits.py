@@ -9,18 +9,20 @@ device) before any step runs (`op_footprint`), the scratch each op takes while i
 bounded from its inputs (`op_scratch`), and its work from elements touched or multiply-adds
 (`op_work`), so that one clearly over the time limit never starts.
 
-State: none here but the per-peer counters of `RateLimiter` and `SenderBudgets`, which the
-worker owns. Defaults: `Limits()` (what `gridgraph worker` uses) and `Limits.unlimited()`
-(what `gg.local_grid` uses unless asked: an in-process grid serves only its own user).
+State: none here but the per-peer counters of `RateLimiter`, which the worker owns (and
+budget.py's `MemoryBudget`). Defaults: `Limits()` (what `gridgraph worker` uses) and
+`Limits.unlimited()` (what `gg.local_grid` uses unless asked: an in-process grid serves only
+its own user).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +46,16 @@ RECORD_BYTES = 200
 # measured with tracemalloc at 430-540 per 132-byte transfer, up to 670 in a loaded run):
 # tiny transfers held 4x what their payloads count.
 TRANSFER_BYTES = 600
+
+
+# `gridgraph worker` caps its network process at this part of the machine's memory, unless
+# told otherwise (max_worker_memory).
+MACHINE_PART = 4
+
+
+def machine_memory() -> int:
+    """Bytes of physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LimitExceeded(Exception):
@@ -72,8 +84,15 @@ class Limits:
                          idle one; a session a transfer opens counts against the
                          transfer's sender until its client adopts it. A quarter of
                          `max_executors`, so no one peer holds every executor place.
-    max_executors        executor processes at once (each holds some 15 MB): a session
-                         that needs one past that is refused until another session ends.
+    max_executors        executor processes at once (each holds some 15 MB), each peer
+                         a fair share of them (budget.fair_share): a session past it
+                         takes the place of an idle one that stores nothing (its executor
+                         starts again on its next request), else is refused until one ends.
+    max_worker_memory    bytes the network process holds for all peers at once (requests
+                         waiting to run, their records, transfers no run named, payloads
+                         being fetched), each peer at most a 1/`peer_shares` of it
+                         (budget.py); past either, what would be kept is refused. Default:
+                         a MACHINE_PART of the machine's memory.
     """
 
     max_client_memory: int | None = 4 * GiB
@@ -83,6 +102,8 @@ class Limits:
     request_burst: int = 2000
     sessions_per_peer: int = 16
     max_executors: int = 64
+    max_worker_memory: int | None = field(default_factory=lambda: machine_memory() // MACHINE_PART)
+    peer_shares: int = 16
 
     @classmethod
     def unlimited(cls) -> Limits:
@@ -95,6 +116,7 @@ class Limits:
             request_burst=1 << 62,
             sessions_per_peer=1 << 30,
             max_executors=1 << 30,
+            max_worker_memory=None,
         )
 
     def check_memory(self, needed: int, what: str) -> None:
@@ -161,40 +183,6 @@ def format_size(n: int) -> str:
 
 
 # --- requests per second ---------------------------------------------------------------------
-
-
-class SenderBudgets:
-    """Bytes each sending peer holds on a worker outside any session's own budget, each
-    up to `cap` (None: no limit). The worker charges here the transfers waiting in the
-    inbox of a session whose runs never named their sender: charged to the session, they
-    let anyone use up a client's memory with transfers it never asked for."""
-
-    def __init__(self, cap: int | None) -> None:
-        self.cap = cap
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def charge(self, sender: str, nbytes: int) -> bool:
-        """Charge `sender` `nbytes` more; False (and nothing charged) past its cap."""
-        with self._lock:
-            held = self._held.get(sender, 0)
-            if self.cap is not None and held + nbytes > self.cap:
-                return False
-            self._held[sender] = held + nbytes
-            return True
-
-    def release(self, sender: str, nbytes: int) -> None:
-        with self._lock:
-            left = self._held.get(sender, 0) - nbytes
-            if left > 0:
-                self._held[sender] = left
-            else:
-                self._held.pop(sender, None)
-
-    def held(self, sender: str) -> int:
-        """What `sender` is charged now."""
-        with self._lock:
-            return self._held.get(sender, 0)
 
 
 class RateLimiter:

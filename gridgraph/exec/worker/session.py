@@ -16,9 +16,10 @@ reset any of it:
                session when its runs named the sender (`named`), else to the sender
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
 
-All of it counts against the session's memory limit (`memory()`), and all of it goes when the
-client says `bye` or its lease expires; `EndedSessions` remembers why a session ended. How a
-request is served: run.py.
+All of it counts against the session's memory limit (`memory()`); what the worker charged its
+peer in its memory budget (budget.py: records, queue, inbox, sent) goes back through `release`.
+All of it goes when the client says `bye` or its lease expires; `EndedSessions` remembers why
+a session ended. How a request is served: run.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.safety.budget import QUEUED_BYTES
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -98,6 +100,9 @@ class Session:
         self.named: OrderedDict[str, None] = OrderedDict()
         self.stray: set[tuple[tuple[int, int, str], str]] = set()  # (key, sender) not named
         self.release_stray: Callable[[str, int], None] = lambda sender, nbytes: None
+        # What the worker charges `peer` in its memory budget (budget.py), and gives back.
+        self.charge: Callable[[int], bool] = lambda nbytes: True
+        self.release: Callable[[int], None] = lambda nbytes: None
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         # (request, or None until served if it came while others waited; arrival; payload)
@@ -111,6 +116,7 @@ class Session:
         # the process running its programs (isolation/executor.py), if any
         self.executor: Any = None
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
+        self.seeded = False  # a seed request came: its random stream is its own (shares.py)
         self._reply_bytes = 0
         self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
         self._inbox_bytes = 0
@@ -137,6 +143,7 @@ class Session:
         rec = self.records[rid] = Record()
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
+            self.release(RECORD_BYTES)
             self._reply_bytes -= len(old.reply or b"")
             old.reply = None
         return rec
@@ -160,18 +167,28 @@ class Session:
     ) -> None:
         """Keep a transfer this session sent to identity `peer`, for a resend (ipfs): the
         TRANSFERS_KEPT latest, within the room the rest of the session's memory leaves
-        under `cap` (None: no limit). The oldest go first; one larger than that room is not
-        kept (it cannot be sent again)."""
+        under `cap` (None: no limit) and that the worker's memory budget grants (`charge`).
+        The oldest go first; one larger than that room is not kept (it cannot be sent
+        again)."""
         _, old, _ = self.sent.pop(key, ("", b"", 0))
         self._sent_bytes -= len(old)
+        self.release(len(old))
         room = None if cap is None else cap - (self.memory() - self._sent_bytes)
         if room is not None and len(payload) > room:
             return
+        while not self.charge(len(payload)):
+            if not self.sent:
+                return
+            self._drop_oldest_sent()
         self.sent[key] = [peer, payload, 0]
         self._sent_bytes += len(payload)
         while len(self.sent) > TRANSFERS_KEPT or room is not None and self._sent_bytes > room:
-            _, (_, dropped, _) = self.sent.popitem(last=False)
-            self._sent_bytes -= len(dropped)
+            self._drop_oldest_sent()
+
+    def _drop_oldest_sent(self) -> None:
+        _, (_, dropped, _) = self.sent.popitem(last=False)
+        self._sent_bytes -= len(dropped)
+        self.release(len(dropped))
 
     def name_workers(self, identities: Any) -> None:
         """Identities a run of this session named for its workers. What a run may not name
@@ -234,6 +251,7 @@ class Session:
             self.release_stray(sender, len(payload) + TRANSFER_BYTES)
         else:
             self._inbox_bytes -= len(payload) + TRANSFER_BYTES
+            self.release(len(payload) + TRANSFER_BYTES)
 
     def abort(self, run: Any) -> None:
         if type(run) is not int:
@@ -264,15 +282,18 @@ class Session:
                 for sender, payload in got.items():
                     self._uncharge(key, sender, payload)
             self.inbox.clear()
+            self.release(self.queued_bytes + QUEUED_BYTES * len(self.queue))
+            self.release(RECORD_BYTES * len(self.records))
+            self.queue.clear()
+            self.queued_bytes = 0
+            self.records.clear()
             self.cv.notify_all()
         n = self.work.clear()
         if self.executor is not None:
             self.executor.close()
-        self.records.clear()
         self._with_reply.clear()
+        self.release(self._sent_bytes)
         self.sent.clear()
-        self.queue.clear()
-        self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n
 

@@ -17,8 +17,10 @@ Policy:
 - exactly once: a request id runs at most once per session, and every accepted request gets
   exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
-  request rate and its refusals' rate; a session by its memory (queued requests included)
-  and time limits; an ended session's requests are refused as `session-ended`;
+  request rate and its refusals' rate, its share of the network process's memory (`budget`,
+  safety/budget.py: what waits in queues, records, transfers) and of the executor places
+  (shares.py); a session by its memory (queued requests included) and time limits; an
+  ended session's requests are refused as `session-ended`;
 - replies go only to the sender's own topic for its session; transfers only between the
   identities a run names for its workers (`peers`, run.py refuses a run without them), kept
   against someone's memory (`_accept_transfer`), resent only to the identity they went to
@@ -45,12 +47,13 @@ from gridgraph.exec.protocol import (
     is_name,
     worker_topic,
 )
+from gridgraph.exec.safety.budget import QUEUED_BYTES, MemoryBudget
 from gridgraph.exec.safety.limits import (
+    RECORD_BYTES,
     TRANSFER_BYTES,
     LimitExceeded,
     Limits,
     RateLimiter,
-    SenderBudgets,
     format_size,
 )
 from gridgraph.exec.transport import Transport
@@ -66,6 +69,7 @@ from gridgraph.exec.worker.run import (
     transfer_key,
 )
 from gridgraph.exec.worker.session import EndedSessions, ExecutorLost, RequestError, Session
+from gridgraph.exec.worker.shares import make_place
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -96,6 +100,7 @@ class Worker:
         isolation: Isolation | None = None,
         recv_timeout: float = 120.0,
         peer_alive: Callable[[str], bool] = lambda name: True,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.name = name
         self.transport = transport
@@ -113,9 +118,10 @@ class Worker:
         self.ended = EndedSessions()  # (under _lock)
         self.left = EndedSessions()  # sessions ended by their bye (under _lock)
         self._left_why = f"this session ended at its client's bye to worker {name}"
-        # what each sender's transfers hold in the inboxes of sessions whose runs never
-        # named it: charged to it, up to the client memory limit, not to those sessions
-        self.stray = SenderBudgets(self.limits.max_client_memory)
+        # What each peer makes this process hold (queued requests, records, transfers; the
+        # transport's block payloads when it shares this budget), within max_worker_memory.
+        # A transfer no run of its session named is charged to its sender, not the session.
+        self.budget = budget or MemoryBudget.of(self.limits)
         self._lock = threading.Lock()  # guards sessions
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
@@ -253,6 +259,11 @@ class Worker:
                 )
             else:
                 error = None
+            held = RECORD_BYTES + (len(payload) + QUEUED_BYTES if error is None else 0)
+            if not self.budget.charge(owner, held):  # kept here: the peer's memory budget
+                if self._refusals.allow(owner):  # (unrecorded: a resend is judged afresh)
+                    self._refuse(reply_to, rid, self.budget.refusal(owner, held, "this request"))
+                return
             session.record(rid)  # a refusal is an answer too: recorded like one
             if error is not None:
                 log.warning("%s: refused a %.40r request from %s: %s", self.name, msg["kind"], key,
@@ -292,6 +303,8 @@ class Worker:
             session.queue.clear()
             session.queued_bytes = 0
             session.busy = session.serving = False
+        queued = sum(len(payload) + QUEUED_BYTES for _, _, payload in waiting)
+        self.budget.release(session.peer, queued)
         for msg, _, payload in waiting:
             msg = msg if msg is not None else wire.decode(payload)  # (checked when it came)
             reply = self._error_reply(msg["id"], error)
@@ -331,11 +344,13 @@ class Worker:
             if session is None:
                 session = self.sessions[key] = Session(key, peer)
                 session.release_stray = self._release_stray
+                session.charge = lambda nbytes: self.budget.charge(peer, nbytes)
+                session.release = lambda nbytes: self.budget.release(peer, nbytes)
             session.opened_by = opened_by
             return session
 
     def _release_stray(self, sender: str, nbytes: int) -> None:
-        self.stray.release(self.transport.owner(sender), nbytes)
+        self.budget.release(self.transport.owner(sender), nbytes)
 
     def _make_room(self, peer: str, opened_by: str | None) -> None:
         """Make room for one more session of `peer` (the caller holds `_lock`): under the
@@ -373,9 +388,10 @@ class Worker:
         with its sender's identity: a run takes it only from the identity its client named
         for the sending worker (run.py), so a peer that owns or claims a worker's name
         in this worker's directory can place nothing a run uses. It counts against that
-        session's memory if one of its runs named the sender, else against the sender's
-        `stray` budget; one over either is kept as a small error in its place, so that a run
-        waiting for it fails naming the limit, and dropped when not even that fits."""
+        session's memory if one of its runs named the sender, and in the worker's memory
+        `budget` against the session's peer; else only there, against the sender. One over
+        a limit is kept as a small error in its place, so that a run waiting for it fails
+        naming the limit, and dropped when not even that fits."""
         values = msg.get("values")
         first = values[0] if isinstance(values, list) and values else None
         key = _transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
@@ -396,14 +412,18 @@ class Worker:
         stray, owner = sender not in session.named, self.transport.owner(sender)
         cap = self.limits.max_client_memory
 
-        def fits(p: bytes) -> bool:
-            if stray:
-                return self.stray.charge(owner, len(p) + TRANSFER_BYTES)
-            return session.inbox_fits(p, cap)
+        charged = owner if stray else session.peer
+
+        def fits(p: bytes) -> bool:  # (a sender's strays: within one client's memory too)
+            if not stray and not session.inbox_fits(p, cap):
+                return False
+            return self.budget.charge(charged, len(p) + TRANSFER_BYTES, cap if stray else None)
 
         if not fits(payload):
-            msg = {"error": f"over the client's memory limit of {cap} bytes (max_client_memory)"}
-            payload = b""
+            over = f"over the client's memory limit of {cap} bytes (max_client_memory)"
+            if not self.budget.fits(charged, len(payload) + TRANSFER_BYTES):
+                over = str(self.budget.refusal(charged, len(payload), "this transfer"))
+            msg, payload = {"error": over}, b""
         if not payload:  # an error in place of the transfer: what an executor is sent
             msg = {"kind": "transfer", **msg}
             payload = wire.encode(msg)
@@ -415,8 +435,8 @@ class Worker:
                 return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
-        if not session.deliver(key, sender, payload, stray) and stray:
-            self._release_stray(sender, len(payload) + TRANSFER_BYTES)
+        if not session.deliver(key, sender, payload, stray):
+            self.budget.release(charged, len(payload) + TRANSFER_BYTES)
 
     def _transfer_session(self, client: str, sender: str) -> Session | None:
         """The session a transfer from `sender` names, opened if `sender` may open one more."""
@@ -474,6 +494,7 @@ class Worker:
                     return
                 msg, arrived, payload = session.queue.popleft()
                 session.queued_bytes -= len(payload)
+                self.budget.release(session.peer, len(payload) + QUEUED_BYTES)
             try:
                 if msg is None:
                     msg = wire.decode(payload)  # (checked when it arrived)
@@ -513,6 +534,7 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, session.reply_topic, reply, counted=True)
             return
+        session.seeded |= kind == "seed"  # (its executor then holds its random stream)
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
             session.name_workers(peers.values())
@@ -521,7 +543,10 @@ class Worker:
             reply = answer(self, session, msg, len(payload))
         else:
             try:
-                if session.executor is None:
+                if session.executor is None:  # a place within its peer's fair share (shares.py)
+                    with self._lock:
+                        sessions = list(self.sessions.values())
+                    make_place(session, sessions, self.limits.max_executors)
                     session.executor = self.isolation.start(
                         self.name,
                         session.key,
@@ -642,7 +667,7 @@ class Worker:
         """Send a transfer to worker `dst`, only to identity `peer` (the one its run names; on
         IPFS sealed for it), and keep it a while, in case that identity asks again. # ipfs:
         Kept within the client's memory limit, as far as the rest of what the session holds
-        leaves room."""
+        leaves room, and within its peer's share of the memory budget."""
         session.keep_sent((*run_value, dst), peer, payload, self.limits.max_client_memory)
         self._publish(session, worker_topic(dst), payload, counted=True, to=peer)
 

@@ -17,6 +17,7 @@ from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.swarm import NodeInfo
 from gridgraph.exec.ipfs.transport import (
     ACK_PREFIX,
+    ASSEMBLERS,
     INLINE_MAX,
     PENDING_PER_PEER,
     GridTransport,
@@ -24,6 +25,7 @@ from gridgraph.exec.ipfs.transport import (
     pack_blocks,
 )
 from gridgraph.exec.protocol import worker_topic
+from gridgraph.exec.safety.budget import MemoryBudget
 from tests.exec.ipfs.fixtures import Inbox
 
 pytestmark = pytest.mark.ipfs
@@ -157,6 +159,48 @@ def test_blocks_nobody_has_do_not_stall_the_topic(kubo_nodes, topic, caplog):
                 break
             except queue.Empty:
                 assert time.monotonic() < deadline, "the topic stalled behind bogus blocks"
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_eight_nodes_naming_missing_blocks_leave_assemblers_and_memory_for_another(
+    kubo_nodes, topic, caplog
+):
+    """Measured on main: 8 peer IDs x 4 envelopes naming missing blocks took all 32
+    assemblers, and a victim's 1 MiB payload was dropped until their fetches timed out.
+    Here the 8 nodes' envelopes come to the reader as if each from a node of its own; the
+    victim's payload arrives while they wait, and what the fetches would hold stays within
+    each node's share of the budget (one envelope declaring more is dropped)."""
+    sender = IpfsTransport(kubo_nodes[0].api)
+    cap = 64 << 20  # shares of 4 MiB
+    receiver = IpfsTransport(kubo_nodes[1].api, fetch_timeout=20, budget=MemoryBudget(cap))
+    try:
+        inbox = Inbox()
+        receiver.subscribe(topic, inbox)
+        sender.wait_for_peers(topic, 1)
+        gone = [sender.kubo.block_put(os.urandom(1 << 19)) for _ in range(2)]
+        sender.kubo.block_rm(gone)
+        sybils = [f"12D3KooWsybil{i}" for i in range(8)]
+        for sybil in sybils:  # (as the reader thread hears them)
+            receiver._receive(topic, sybil, pack_blocks([(c, 1 << 19) for c in gone], 1 << 20))
+        for _ in range(PENDING_PER_PEER):
+            for sybil in sybils:
+                receiver._receive(topic, sybil, pack_blocks([(gone[0], 1 << 19)] * 16, 8 << 20))
+                receiver._receive(topic, sybil, pack_blocks([(c, 1 << 19) for c in gone], 1 << 20))
+        assert "over its share of 4.0 MiB" in caplog.text
+        held = {s: receiver._pending.get(s, 0) for s in sybils}
+        assert sum(held.values()) < ASSEMBLERS and max(held.values()) <= PENDING_PER_PEER
+        assert receiver.budget.held() == sum(held.values()) << 20 <= cap
+        payload = os.urandom(1 << 20)
+        deadline = time.monotonic() + 10  # the sybils' fetches wait 20 s
+        while True:
+            sender.publish(topic, payload)  # again, if PubSub lost it
+            try:
+                assert inbox.get(timeout=2) == (sender.identity, payload)
+                break
+            except queue.Empty:
+                assert time.monotonic() < deadline, "the victim found no assembler free"
     finally:
         sender.close()
         receiver.close()

@@ -617,7 +617,7 @@ def test_transfers_waiting_in_an_inbox_hold_no_more_than_they_count():
             transfer = {"kind": "transfer", "client": "mallory/s", "run": run_id, "src": "w1",
                         "values": list(range(16_000)), "tensors": empties}  # fmt: skip
             peer.publish("w0", wire.encode(transfer))
-        charged = grid.local_workers[0].stray.held("mallory")  # (no run of the session named it)
+        charged = grid.local_workers[0].budget.held("mallory")  # (no run of the session named it)
         assert charged > 5 * 16_000 * 14
         assert _tensors_alive() - before < 16_000
 
@@ -1287,8 +1287,10 @@ def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
 def test_transfers_from_identities_no_run_named_are_charged_to_their_sender():
     # Another peer's transfers, under keys no run of the victim takes, were charged to the
     # victim until its bye: the victim's own 64-byte put was then refused over its limit.
+    # They are charged to the sender's share of the worker's memory budget (here 1 MiB).
     cap = 1 << 20
-    with gg.local_grid(1, limits=Limits(max_client_memory=cap)) as grid:
+    limits = Limits(max_client_memory=cap, max_worker_memory=16 * cap, peer_shares=16)
+    with gg.local_grid(1, limits=limits) as grid:
         victim, attacker = Peer(grid, "alice"), Peer(grid, "mallory")
         assert victim.request("w0", {"kind": "ping"})["ok"]
         for vid in range(1, 40):  # 64 kB each: 2.5 MB in all, over one client's budget
@@ -1299,9 +1301,9 @@ def test_transfers_from_identities_no_run_named_are_charged_to_their_sender():
         assert victim.request("w0", put)["ok"]
         worker = grid.local_workers[0]
         assert worker.sessions["alice/s"].memory() < cap * 3 // 4
-        assert cap // 2 < worker.stray.held("mallory") <= cap  # the sender's budget, no more
+        assert cap // 2 < worker.budget.held("mallory") <= cap  # the sender's share, no more
         assert victim.request("w0", {"kind": "bye"})["ok"]
-        assert worker.stray.held("mallory") == 0  # released with the inbox that kept them
+        assert worker.budget.held("mallory") == 0  # released with the inbox that kept them
 
 
 @pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "executor"])

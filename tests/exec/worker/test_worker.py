@@ -287,7 +287,7 @@ def test_a_run_must_name_the_identity_of_every_worker_it_sends_to_or_receives_fr
     assert peer.request("w0", hostile.run(sends, [1], peers={"w1": "w1"}))["ok"]
     inbox = local_grid.local_workers[1].sessions["mallory/s"].inbox
     assert inbox  # the transfer waits there for a run of w1 to take it, charged to its sender
-    assert local_grid.local_workers[1].stray.held("w0") > 0  # (no run there named w0 yet)
+    assert local_grid.local_workers[1].budget.held("w0") > 0  # (no run there named w0 yet)
     again = hostile.run(sends, [1], run_id=2, program=False)  # the cached program, unnamed
     reply = peer.request("w0", again)
     assert not reply["ok"] and "peers" in reply["error"]["message"], reply
