@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Callable
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedTensorMixin
 
 from gridgraph.errors import GridError
 from gridgraph.exec.client.client import Client
@@ -84,11 +86,20 @@ class Grid:
         return [self.client.make_pointer(v.id, t.requires_grad) for v, t in zip(values, tensors)]
 
     def send_module(self, module: torch.nn.Module, worker: WorkerRef) -> torch.nn.Module:
-        """Replace `module`'s parameters and buffers by pointers on `worker` (in place)."""
+        """Replace `module`'s parameters and buffers by pointers on `worker` (in place).
+        A lazy module's parameters that its first call has yet to shape are sent when that
+        call has made them, before it runs."""
         self._check_worker(worker)
+        for m in module.modules():
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+                self._send_when_initialized(m, worker)
+        self._send_tensors(module, worker, lambda t: not isinstance(t, UninitializedTensorMixin))
+        return module
+
+    def _send_tensors(self, module: torch.nn.Module, worker: WorkerRef, which) -> None:
         slots = [(m, kind, name, t) for m in module.modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
-                 for name, t in table.items() if t is not None]  # fmt: skip
+                 for name, t in table.items() if t is not None and which(t)]  # fmt: skip
         pointers = self.send_many([t for *_, t in slots], worker)
         for (m, kind, name, _), p in zip(slots, pointers):
             if kind == "param":
@@ -96,7 +107,16 @@ class Grid:
                 m._parameters[name] = p
             else:
                 m._buffers[name] = p
-        return module
+
+    def _send_when_initialized(self, module: torch.nn.Module, worker: WorkerRef) -> None:
+        """After the lazy module's own hook shapes its parameters (at its first call,
+        registered before this one), send them, once."""
+
+        def send(m: torch.nn.Module, args: tuple) -> None:
+            handle.remove()
+            self._send_tensors(m, worker, lambda t: not isinstance(t, RemoteTensor))
+
+        handle = module.register_forward_pre_hook(send)
 
     def _check_worker(self, worker: object) -> None:
         self._check_open()
