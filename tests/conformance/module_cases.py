@@ -11,8 +11,9 @@ samples, refusals counting as failures):
     fail      any sample failed: an error at the call or at `.get()`, a wrong value, a
               refusal of a module that is not in the list (the sweep adds crashes and hangs)
 
-Modes: the module in training or eval mode (`train-*`, `eval-*`), run eagerly on pointers
-or recorded inside `gg.trace()` and computed together (`*-eager`, `*-traced`).
+Modes: the module in training or eval mode (`train-*`, `eval-*`; eval only for the entries
+whose ModuleInfo says the two differ), run eagerly on pointers or recorded inside
+`gg.trace()` and computed together (`*-eager`, `*-traced`).
 
 One sample: the module is built twice from the entry's constructor input under one seed
 (one copy stays local, the other is sent to w0, parameters and buffers); the forward
@@ -75,8 +76,11 @@ def load_entries() -> dict:
 
 
 def units_of(info, dtypes=tuple(DTYPES), modes=MODES) -> list[tuple[str, str]]:
-    """The (dtype, mode) units the suite runs for a module."""
+    """The (dtype, mode) units the suite runs for a module: eval mode only where the entry
+    says it differs from training (`train_and_eval_differ`), as torch's own module tests."""
     supported = info.supported_dtypes("cpu")
+    if not info.train_and_eval_differ:
+        modes = [m for m in modes if m.startswith("train")]
     return [(d, m) for d in dtypes if DTYPES[d] in supported for m in modes]
 
 

@@ -36,8 +36,10 @@ from tests.conformance.opinfo_cases import Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A child that gives no sign of life for this long is hung (a sample takes milliseconds).
-SAMPLE_TIMEOUT = 10.0
+# A child that gives no sign of life for this long is hung: an op's sample takes
+# milliseconds; a module's (a Transformer's forward and backward, eager: hundreds of round
+# trips) up to seconds, ten on a loaded machine.
+SAMPLE_TIMEOUTS = {"opinfo": 10.0, "modules": 60.0}
 # Importing torch and the OpInfo database takes several seconds; allow for a busy machine.
 START_TIMEOUT = 120.0
 
@@ -149,10 +151,13 @@ def sweep(
     work: list[tuple[str, list[tuple[str, str]]]],
     suite: str = "opinfo",
     processes: int = 2,
-    sample_timeout: float = SAMPLE_TIMEOUT,
+    sample_timeout: float | None = None,
     on_outcome: Callable[[Outcome], None] = lambda o: None,
 ) -> list[Outcome]:
-    """Run `work` (from `plan` of `suite`) on `processes` children; one Outcome per unit."""
+    """Run `work` (from `plan` of `suite`) on `processes` children; one Outcome per unit.
+    A sample running past `sample_timeout` (the suite's SAMPLE_TIMEOUTS) is hung."""
+    if sample_timeout is None:
+        sample_timeout = SAMPLE_TIMEOUTS[suite]
     queue = collections.deque(work)
     outcomes: list[Outcome] = []
 
