@@ -94,6 +94,7 @@ def run_unit(info, dtype: str, mode: str, progress=lambda i: None) -> Outcome:
     first: tuple[int, SampleFailure] | None = None
     slowest = 0.0
     try:
+        torch.manual_seed(0)  # the same inputs whatever ran before in this process
         inputs = info.module_inputs_func(
             info, device="cpu", dtype=DTYPES[dtype], requires_grad=True, training=training
         )
