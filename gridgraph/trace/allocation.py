@@ -12,7 +12,7 @@ it with the gradients: pointers, here), which allocates its buffers the same way
 
 State: the mode on torch's dispatch stack while a decomposition runs; each custom op
 decomposed through pointers has its backward wrapped once (`allocate_in_backward`); the
-wrapper changes nothing when no gradient is a pointer.
+wrapper changes nothing when neither a gradient nor a saved tensor is a pointer.
 """
 
 from __future__ import annotations
@@ -68,13 +68,16 @@ class AllocateBeside(TorchDispatchMode):
 
 def allocate_in_backward(opdef: Any, pointer_type: type) -> None:
     """Wrap the backward of custom op `opdef` (torch reads `opdef._backward_fn` at each
-    backward) so that, called with a pointer among its gradients, it allocates beside it."""
+    backward) so that, called with a pointer among its gradients (or else among what its
+    forward saved), it allocates beside it."""
     backward = getattr(opdef, "_backward_fn", None)
     if backward is None or getattr(backward, "allocates_beside", False):
         return
 
     def beside(ctx: Any, *grads: Any) -> Any:
-        anchor = next((g for g in grads if isinstance(g, pointer_type)), None)
+        anchor = _pointer_among(grads, pointer_type)
+        if anchor is None:  # (local gradients of an op on pointers: what it saved)
+            anchor = _pointer_among((*ctx.saved_tensors, *vars(ctx).values()), pointer_type)
         if anchor is None:
             return backward(ctx, *grads)
         with AllocateBeside(anchor):
@@ -82,3 +85,7 @@ def allocate_in_backward(opdef: Any, pointer_type: type) -> None:
 
     beside.allocates_beside = True
     opdef._backward_fn = beside
+
+
+def _pointer_among(values: tuple, pointer_type: type) -> Any:
+    return next((v for v in values if isinstance(v, pointer_type)), None)

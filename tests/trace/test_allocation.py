@@ -58,6 +58,17 @@ def test_a_custom_op_that_writes_into_its_own_buffers_runs_and_trains(local_grid
         torch.testing.assert_close(g.get(), w)
 
 
+def test_its_backward_allocates_beside_what_it_saved_given_local_gradients(local_grid):
+    a, b = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
+    cotangent = torch.randn(4, 5)  # a local gradient for a pointer's op
+    want = torch.autograd.grad(scaled_matmul(a, b), (a, b), cotangent)
+    pa = gg.send(a.detach(), local_grid.workers[0]).requires_grad_()
+    pb = gg.send(b.detach(), local_grid.workers[1]).requires_grad_()
+    got = torch.autograd.grad(scaled_matmul(pa, pb), (pa, pb), cotangent)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.get(), w)
+
+
 def test_the_same_op_on_local_tensors_allocates_locally():
     a, b = torch.randn(4, 3, requires_grad=True), torch.randn(3, 5, requires_grad=True)
     out = scaled_matmul(a, b)
