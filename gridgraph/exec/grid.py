@@ -18,6 +18,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gridgraph.errors import GridError
@@ -104,13 +106,30 @@ class Grid:
 
         A tensor shared with another module (tied weights) keeps one pointer: sent once, and
         where a module sent before took it along, that module's pointer (on its worker),
-        under the name it was first sent by."""
+        under the name it was first sent by. A lazy module's parameters that its first call
+        has yet to shape are sent when that call has made them, before it runs."""
         self._check_worker(worker)
         prefix = names.module_prefix()
-        slots = [(m, kind, name, t, ".".join(p for p in (prefix, path, name) if p))
+        for path, m in module.named_modules():
+            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+                self._send_when_initialized(m, worker, _joined(prefix, path))
+        self._send_tensors(
+            module, worker, prefix, lambda t: not isinstance(t, UninitializedTensorMixin)
+        )
+        scope.label_module(module, prefix)
+        return module
+
+    def _send_tensors(
+        self,
+        module: torch.nn.Module,
+        worker: WorkerRef,
+        prefix: str,
+        which: Callable[[torch.Tensor], bool],
+    ) -> None:
+        slots = [(m, kind, name, t, _joined(prefix, path, name))
                  for path, m in module.named_modules()
                  for kind, table in (("param", m._parameters), ("buffer", m._buffers))
-                 for name, t in table.items() if t is not None]  # fmt: skip
+                 for name, t in table.items() if t is not None and which(t)]  # fmt: skip
         pointers: dict[int, RemoteTensor] = {}  # by id(local tensor); `slots` holds them
         for *_, t, _ in slots:
             ref = self._module_tensors.get(t)
@@ -131,8 +150,18 @@ class Grid:
                 m._parameters[name] = p
             else:
                 m._buffers[name] = p
-        scope.label_module(module, prefix)
-        return module
+
+    def _send_when_initialized(
+        self, module: torch.nn.Module, worker: WorkerRef, prefix: str
+    ) -> None:
+        """After the lazy module's own hook shapes its parameters (at its first call,
+        registered before this one), send them, once."""
+
+        def send(m: torch.nn.Module, args: tuple) -> None:
+            handle.remove()
+            self._send_tensors(m, worker, prefix, lambda t: not isinstance(t, RemoteTensor))
+
+        handle = module.register_forward_pre_hook(send)
 
     def _check_worker(self, worker: object) -> None:
         self._check_open()
@@ -249,3 +278,8 @@ def local_grid(
             w.close()
 
     return Grid(client, on_close=stop_workers, local_workers=workers)
+
+
+def _joined(*parts: str) -> str:
+    """A dotted name from its non-empty parts: `_joined("model", "", "weight")`."""
+    return ".".join(p for p in parts if p)

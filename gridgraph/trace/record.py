@@ -16,8 +16,9 @@ For each call we
 
 An op the workers do not run (off their allowlist, or a `torch.library.custom_op` outside
 the aten namespace) is recorded as what torch itself decomposes it into, when torch has a
-decomposition; an `out=` form (`torch.mm(a, b, out=o)`) as its functional op and a `copy_`
-into `o`, when `o` already has the result's shape and dtype; else it is refused at the call
+decomposition (the tensors that allocates are allocated beside its pointers: allocation.py);
+an `out=` form (`torch.mm(a, b, out=o)`) as its functional op and a `copy_` into `o`, when
+`o` already has the result's shape and dtype; else it is refused at the call
 with `RecordError`.
 """
 
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from gridgraph.errors import PlacementError, RecordError
+from gridgraph.trace.allocation import AllocateBeside, allocate_in_backward
 from gridgraph.trace.allowlist import refusal
 from gridgraph.trace.graph import Const, Graph, Node, Ref, op_name
 from gridgraph.trace.meta import DataDependent, OutputSpec, TensorMeta, as_sent, extent, infer
@@ -401,7 +403,9 @@ def record(op: torch._ops.OpOverload, args: tuple, kwargs: dict, pointer_type: t
     if recipe.refused is not None:
         if recipe.decomposed is None:
             raise RecordError(f"{op_name(op)} cannot run on a worker: {recipe.refused}")
-        return recipe.decomposed(*args, **kwargs)  # its ops come back here, one by one
+        allocate_in_backward(_custom_op(op), pointer_type)
+        with AllocateBeside(_first_pointer(args, kwargs, pointer_type)):
+            return recipe.decomposed(*args, **kwargs)  # its ops come back here, one by one
 
     graph = owner.graph
     spec = recipe.spec
@@ -612,6 +616,14 @@ def decomposition(op: torch._ops.OpOverload) -> Any:
     return found
 
 
+@cache
+def _custom_op(op: torch._ops.OpOverload) -> Any:
+    """`op`'s `torch.library.custom_op` definition, if it is one."""
+    from torch._library.custom_ops import OPDEFS
+
+    return OPDEFS.get(op._schema.name)
+
+
 def _out_form(op: torch._ops.OpOverload) -> Any:
     """For an `out=` overload (`mm.out`), a function that runs its functional overload
     (`mm.default`) and copies the results into the `out` tensors; None for other ops.
@@ -699,6 +711,16 @@ def _writes(t_args: tuple, t_kwargs: dict, alias: Aliasing) -> tuple[tuple[Any, 
                 "an op writes to a local tensor using remote data; send that tensor first"
             )
     return tuple(found)
+
+
+def _first_pointer(args: tuple, kwargs: dict, pointer_type: type) -> Any:
+    for a in (*args, *kwargs.values()):
+        found = a if isinstance(a, pointer_type) else None
+        if isinstance(a, (list, tuple)):
+            found = next((x for x in a if isinstance(x, pointer_type)), None)
+        if found is not None:
+            return found
+    raise AssertionError("dispatch reached gridgraph without a pointer argument")
 
 
 def _pointer_at(args: tuple, kwargs: dict, path: Any) -> Any:

@@ -77,6 +77,7 @@ class Outcome:
     inexact: int = 0  # samples equal only within tolerance
     rejected: int = 0  # samples torch rejects, and the pointers too
     slowest: float = 0.0  # seconds, the slowest sample
+    failed: int = 0  # samples that failed (a ModuleInfo unit runs them all)
     detail: list[str] = field(default_factory=list)  # traceback summary of the failure
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conformance.opinfo_cases import load_entries
-from tests.conformance.opinfo_sweep import Selection, plan
 from tests.conformance.refused import REFUSED
 from tests.conformance.report import FAILURES_FILE, target
+from tests.conformance.sweep import Selection, plan
 
 WORK = plan(Selection.from_env())
 ROWS = sorted({unit for _, units in WORK for unit in units}, key=lambda u: (u[1], u[0]))

@@ -6,7 +6,7 @@ import pytest
 
 from tests.conformance import harness_ops, opinfo_cases
 from tests.conformance.opinfo_cases import run_unit
-from tests.conformance.opinfo_sweep import sweep
+from tests.conformance.sweep import sweep
 
 OPS = {opinfo_cases.entry_id(op): op for op in harness_ops.EXTRA_OPS}
 

@@ -565,13 +565,13 @@ _GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # RNN_RELU, RNN_TANH, LSTM, GRU: gates per un
 
 
 def _rnn_layer(arg: Arg) -> None:
-    """Weights, biases and states sized for `hidden_size` and the input's features."""
+    """Weights, biases and states sized for `hidden_size` and the input's features. The
+    kernel reads its input as (steps, batch, features) whatever `batch_first` and
+    `batch_sizes` say (it keeps them and never reads them; torch's LSTM transposes a
+    batch-first input itself and passes batch_first=True): so are its states checked."""
     input, hidden = arg("input"), arg("hidden_size")
     if input.dim() != 3 or not isinstance(hidden, int) or hidden < 1:
         raise KernelArgumentRefused("input must be 3-D and hidden_size positive")
-    if arg("batch_first") or arg("batch_sizes"):  # (torch's LSTM passes neither: it
-        # transposes a batch-first input itself; the kernel misread batch-first ones)
-        raise KernelArgumentRefused("batch_first and batch_sizes are not supported here")
     gates = _GATES.get(arg("mode"))
     if gates is None:
         raise KernelArgumentRefused("mode must name an RNN kind")

@@ -9,6 +9,8 @@ Honest arguments (those torch's own forward ops make) are covered by the conform
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -138,7 +140,7 @@ CASES = {
            True, False, False, False], {}, 4]],
     ),
     # A second review, of the checks above:
-    "mkldnn_rnn_layer: batch_first (heap corruption)": (
+    "mkldnn_rnn_layer: states for a batch-first input's batch (heap corruption)": (
         [torch.randn(2, 7, 3), torch.randn(16, 3), torch.randn(16, 4), torch.randn(16),
          torch.zeros(1, 2, 4)],
         [["aten::mkldnn_rnn_layer",
@@ -372,6 +374,26 @@ def test_values_like_those_refused_run_as_in_torch_where_they_are_safe(local_gri
     (got_grad,) = torch.autograd.grad(got.sum(), p)
     (want_grad,) = torch.autograd.grad(want.sum(), image)
     assert torch.equal(got.get(), want.detach()) and torch.equal(got_grad.get(), want_grad)
+
+
+def test_lstm_batch_first_trains_as_in_torch(local_grid):
+    # torch passes batch_first=True to the layer kernel with the input already transposed
+    # to (steps, batch, features), which the kernel reads whatever batch_first says.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 3, num_layers=2, bidirectional=True, batch_first=True)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    out, (h, c) = lstm(x)
+    (out.sum() + h.sum() + c.sum()).backward()
+    remote = copy.deepcopy(lstm).send(local_grid.workers[0])
+    remote.zero_grad()
+    px = x.detach().send(local_grid.workers[1]).requires_grad_()
+    got, (gh, gc) = remote(px)
+    (got.sum() + gh.sum() + gc.sum()).backward()
+    assert got.shape == out.shape == (2, 5, 6)
+    torch.testing.assert_close(got.get(), out.detach())
+    torch.testing.assert_close(px.grad.get(), x.grad)
+    for p, want in zip(remote.parameters(), lstm.parameters()):
+        torch.testing.assert_close(p.grad.get(), want.grad)
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: c.split(":")[0] + c.split(":")[1][:12])

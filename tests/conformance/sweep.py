@@ -1,7 +1,10 @@
-"""The sweep: every unit of every selected OpInfo entry, run in crash-proof worker processes.
+"""The sweep: every unit of every selected entry of one suite, run in crash-proof processes.
 
-A small pool of long-lived child processes (this file run with `--serve`) imports torch, the
-OpInfo database and gridgraph once, then takes one entry at a time from the parent and
+Two suites share it: OpInfo's ops (`opinfo_cases`) and ModuleInfo's modules
+(`module_cases`); each names its dtypes and modes and runs one unit (`run_unit`).
+
+A small pool of long-lived child processes (this file run with `--serve`) imports torch,
+the databases and gridgraph once, then takes one entry at a time from the parent and
 streams back what happens: the unit it starts, each sample it starts, each unit's `Outcome`.
 So the parent always knows which unit is in flight:
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -28,44 +32,59 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-from tests.conformance.opinfo_cases import DTYPES, MODES, Outcome
+from tests.conformance.opinfo_cases import Outcome
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# A child that gives no sign of life for this long is hung (a sample takes milliseconds).
-SAMPLE_TIMEOUT = 10.0
+# A child that gives no sign of life for this long is hung: an op's sample takes
+# milliseconds; a module's (a Transformer's forward and backward, eager: hundreds of round
+# trips) up to seconds, ten on a loaded machine.
+SAMPLE_TIMEOUTS = {"opinfo": 10.0, "modules": 60.0}
 # Importing torch and the OpInfo database takes several seconds; allow for a busy machine.
 START_TIMEOUT = 120.0
+
+# Each suite's module: its DTYPES, MODES, load_entries, units_of and run_unit; and the prefix
+# of the environment variables that narrow its pytest run.
+SUITES = {"opinfo": "tests.conformance.opinfo_cases", "modules": "tests.conformance.module_cases"}
+ENV_PREFIX = {"opinfo": "GG_CONFORMANCE_", "modules": "GG_MODULES_"}
+
+
+def suite_module(suite: str):
+    return importlib.import_module(SUITES[suite])
 
 
 @dataclasses.dataclass
 class Selection:
-    """Which entries, dtypes and modes a sweep runs (all of them by default)."""
+    """Which entries, dtypes and modes of a suite a sweep runs (all of them by default)."""
 
+    suite: str = "opinfo"
     entries: str = ""  # a regular expression an entry id must match (re.search)
-    dtypes: tuple[str, ...] = tuple(DTYPES)
-    modes: tuple[str, ...] = MODES
+    dtypes: tuple[str, ...] = ()  # () for all of the suite's
+    modes: tuple[str, ...] = ()
 
     @classmethod
-    def from_env(cls) -> Selection:
+    def from_env(cls, suite: str = "opinfo") -> Selection:
         """$GG_CONFORMANCE_ENTRIES (regex), $GG_CONFORMANCE_DTYPES and $GG_CONFORMANCE_MODES
-        (comma-separated) narrow the pytest run while developing; unset, everything."""
-        env = os.environ.get
-        return cls(
-            entries=env("GG_CONFORMANCE_ENTRIES", ""),
-            dtypes=tuple(env("GG_CONFORMANCE_DTYPES", ",".join(DTYPES)).split(",")),
-            modes=tuple(env("GG_CONFORMANCE_MODES", ",".join(MODES)).split(",")),
-        )
+        (comma-separated) narrow the OpInfo pytest run while developing; $GG_MODULES_ENTRIES,
+        _DTYPES and _MODES the ModuleInfo one; unset, everything."""
+        prefix = ENV_PREFIX[suite]
+
+        def listed(name: str) -> tuple[str, ...]:
+            value = os.environ.get(prefix + name, "")
+            return tuple(value.split(",")) if value else ()
+
+        return cls(suite, os.environ.get(prefix + "ENTRIES", ""), listed("DTYPES"), listed("MODES"))
 
 
 def plan(selection: Selection) -> list[tuple[str, list[tuple[str, str]]]]:
-    """The work: each selected entry with its (dtype, mode) units, in op_db order."""
-    from tests.conformance.opinfo_cases import load_entries, units_of
-
+    """The work: each selected entry with its (dtype, mode) units, in database order."""
+    cases = suite_module(selection.suite)
+    dtypes = selection.dtypes or tuple(cases.DTYPES)
+    modes = selection.modes or cases.MODES
     pattern = re.compile(selection.entries)
     work = []
-    for entry, op in load_entries().items():
-        units = units_of(op, selection.dtypes, selection.modes)
+    for entry, info in cases.load_entries().items():
+        units = cases.units_of(info, dtypes, modes)
         if units and pattern.search(entry):
             work.append((entry, units))
     return work
@@ -74,7 +93,8 @@ def plan(selection: Selection) -> list[tuple[str, list[tuple[str, str]]]]:
 class Child:
     """One worker process of the pool, and the entry it is running."""
 
-    def __init__(self, log_dir: str, index: int) -> None:
+    def __init__(self, log_dir: str, index: int, suite: str) -> None:
+        self.suite = suite
         self.log_path = os.path.join(log_dir, f"child{index}.log")
         self.proc: subprocess.Popen | None = None
         self.buffer = b""
@@ -100,7 +120,9 @@ class Child:
     def assign(self, entry: str, units: list[tuple[str, str]]) -> None:
         self.entry, self.remaining, self.current = entry, list(units), None
         self.deadline = time.monotonic() + START_TIMEOUT
-        self.proc.stdin.write(json.dumps({"entry": entry, "units": units}).encode() + b"\n")
+        self.proc.stdin.write(
+            json.dumps({"suite": self.suite, "entry": entry, "units": units}).encode() + b"\n"
+        )
         self.proc.stdin.flush()
 
     def stop(self, grace: float = 0.0) -> int:
@@ -127,11 +149,15 @@ class Child:
 
 def sweep(
     work: list[tuple[str, list[tuple[str, str]]]],
+    suite: str = "opinfo",
     processes: int = 2,
-    sample_timeout: float = SAMPLE_TIMEOUT,
+    sample_timeout: float | None = None,
     on_outcome: Callable[[Outcome], None] = lambda o: None,
 ) -> list[Outcome]:
-    """Run `work` (from `plan`) on `processes` children; one Outcome per unit."""
+    """Run `work` (from `plan` of `suite`) on `processes` children; one Outcome per unit.
+    A sample running past `sample_timeout` (the suite's SAMPLE_TIMEOUTS) is hung."""
+    if sample_timeout is None:
+        sample_timeout = SAMPLE_TIMEOUTS[suite]
     queue = collections.deque(work)
     outcomes: list[Outcome] = []
 
@@ -140,7 +166,7 @@ def sweep(
         on_outcome(o)
 
     with tempfile.TemporaryDirectory(prefix="gg-conformance-") as log_dir:
-        children = [Child(log_dir, i) for i in range(min(processes, len(work)) or 1)]
+        children = [Child(log_dir, i, suite) for i in range(min(processes, len(work)) or 1)]
         selector = selectors.DefaultSelector()
         for c in children:
             c.start()
@@ -234,20 +260,21 @@ def serve() -> None:
 
     import torch
 
-    from tests.conformance.opinfo_cases import load_entries, run_unit
-
     torch.set_num_threads(1)
-    entries = load_entries()
+    entries: dict[str, dict] = {}  # suite -> its entries, loaded at its first request
 
     def send(message: dict) -> None:
         out.write(json.dumps(message) + "\n")
 
     for line in sys.stdin:
         request = json.loads(line)
-        op = entries[request["entry"]]
+        cases = suite_module(request["suite"])
+        if request["suite"] not in entries:
+            entries[request["suite"]] = cases.load_entries()
+        info = entries[request["suite"]][request["entry"]]
         for dtype, mode in request["units"]:
             send({"unit": [dtype, mode]})
-            outcome = run_unit(op, dtype, mode, progress=lambda i: send({"sample": i}))
+            outcome = cases.run_unit(info, dtype, mode, progress=lambda i: send({"sample": i}))
             send({"outcome": dataclasses.asdict(outcome)})
         send({"done": request["entry"]})
 
