@@ -10,6 +10,18 @@ State (under `_cv`: a reply on the transport's thread may change it):
                    payload to resend, the ids it frees), until its wait ends
     replies        request id -> its reply, until its waiter takes it
     waiting        the request ids each waiting call needs
+    unacked        per worker, the numbers of the requests sent it whose replies the client
+                   still needs (in the order sent, so the first is the least)
+    acked above    per worker, numbers above the first unacked one whose replies it no
+                   longer needs (received, or given up)
+
+Acknowledgements: each request tells its worker which replies the client no longer needs
+(`ack`, protocol.py): every id under the least unacked one sent to that worker, and up to
+MAX_ACK_IDS of those above. The worker keeps every other reply, so a resent request is
+answered from it however many are in flight, and answered "already served" only once its
+reply was acknowledged. A request counts as no longer needed once its wait ended (its reply
+taken, or given up on: timed out, its worker lost, interrupted), a batch of frees once its
+reply came or its ids went back into `frees`.
 
 Policy: a request without its reply is sent again after `retry_after` s, then twice as long
 each time (at most 8 times as long), or first sooner where answers to the same kind of
@@ -33,7 +45,7 @@ from dataclasses import dataclass
 
 from gridgraph.errors import GridError, RemoteError, SessionLost, WorkerLost
 from gridgraph.exec import resend, wire
-from gridgraph.exec.protocol import SESSION_GONE, worker_topic
+from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_GONE, worker_topic
 from gridgraph.exec.transport import Transport
 
 # A standalone free message goes out once this many releases wait for one worker.
@@ -92,7 +104,10 @@ class Requests:
         # Request ids: unique within the session (a worker keeps its records per session),
         # and cheaper than a uuid4 per request, whose os.urandom call also let another
         # thread take the interpreter lock in the middle of a send.
-        self._request_ids = map("{:x}".format, itertools.count(1))
+        self._request_numbers = itertools.count(1)  # (ids are these in hex, under _cv)
+        self._last_number = 0
+        self._unacked: dict[str, dict[int, None]] = {w: {} for w in workers}
+        self._acked_above: dict[str, set[int]] = {w: set() for w in workers}
         self._replies: dict[str, dict] = {}
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
@@ -127,6 +142,8 @@ class Requests:
         """Forget the batches of frees awaiting replies (the session ended: its worker freed
         all)."""
         with self._cv:
+            for rid, batch in self._free_batches.items():
+                self._done(batch.worker, rid)
             self._free_batches.clear()
 
     # --- requests --------------------------------------------------------------------------
@@ -146,22 +163,34 @@ class Requests:
         """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
         resending (kept, each stayed for ever, with its reply): its reply only tells whether
         its ids were freed (`_free_batches`)."""
-        rid = next(self._request_ids)
         refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
         with self._cv:  # (another thread's reply may put frees back meanwhile)
             if refile:
                 self._refile_frees(worker)
             frees, self.frees[worker] = self.frees[worker], []
-        msg = {**msg, "id": rid, "session": self.session, "free": frees}
+            number = self._last_number = next(self._request_numbers)
+            self._unacked[worker][number] = None  # (numbers go in in order, under _cv)
+            ack = self._ack(worker)
+        rid = f"{number:x}"
+        msg = {**msg, "id": rid, "session": self.session, "free": frees, "ack": ack}
         payload = wire.encode(msg)
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
-        if awaited:
-            self._outstanding[rid] = (identity, payload, frees)
-        elif frees:
-            with self._cv:  # (before it is sent: on a local grid the reply may come first)
+        with self._cv:  # (before it is sent: on a local grid the reply may come first)
+            if awaited:
+                self._outstanding[rid] = (identity, payload, frees)
+            elif frees:
                 self._free_batches[rid] = _FreeBatch(worker, identity, frees, time.monotonic())
-        self.transport.publish(topic, payload, counted, identity)
+            else:
+                self._done(worker, rid)
+        try:
+            self.transport.publish(topic, payload, counted, identity)
+        except BaseException:  # (the transport is closed): nothing will wait for it
+            with self._cv:
+                if self._outstanding.pop(rid, None) or self._free_batches.pop(rid, None):
+                    self.frees[worker].extend(frees)
+                    self._done(worker, rid)
+            raise
         return rid
 
     def _refile_frees(self, worker: str) -> None:
@@ -177,6 +206,23 @@ class Requests:
             if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
                 del self._free_batches[rid]
                 self.frees[worker].extend(batch.ids)
+                self._done(worker, rid)
+
+    def _ack(self, worker: str) -> dict:
+        """(under _cv) What a request to `worker` acknowledges (protocol.py): the ids under
+        the least one whose reply is still needed, and up to MAX_ACK_IDS above it."""
+        unacked = self._unacked[worker]
+        below = next(iter(unacked)) if unacked else self._last_number + 1
+        above = self._acked_above[worker]
+        if any(n < below for n in above):
+            above -= {n for n in above if n < below}
+        return {"below": below, "ids": sorted(above)[:MAX_ACK_IDS]}
+
+    def _done(self, worker: str, rid: str) -> None:
+        """(under _cv) The client no longer needs request `rid`'s reply from `worker`."""
+        number = int(rid, 16)
+        if self._unacked[worker].pop(number, 1) is None:
+            self._acked_above[worker].add(number)
 
     def _sent(self, rid: str) -> bytes:
         """The payload of outstanding request `rid`, as sent."""
@@ -238,9 +284,10 @@ class Requests:
         finally:
             with self._cv:
                 self._waiting.remove(needed)
-                for rid in rids.values():
+                for w, rid in rids.items():
                     self._outstanding.pop(rid, None)
                     self._replies.pop(rid, None)
+                    self._done(w, rid)
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
         """The replies to `rids`, all in (under _cv). An error names the worker it came
@@ -288,6 +335,7 @@ class Requests:
                         batch.refused = True  # its ids go with the next request
                     else:
                         self._free_batches.pop(rid, None)
+                        self._done(batch.worker, rid)
                 return
             outstanding = self._outstanding.get(rid)
             if outstanding is None or sender != outstanding[0]:

@@ -6,8 +6,12 @@ reset any of it:
 
     work       what its programs run on: tensors, prepared programs, random stream
                (workspace.py; with isolation, the one in its executor process counts)
-    records    request id -> its reply once sent: a request id runs at most once. Replies are
-               kept for the REPLIES_KEPT latest requests, bare ids for the RECORDS_KEPT latest
+    records    request id -> its reply once sent: a request id runs at most once. A reply is
+               kept until the client acknowledges it (protocol.py, `ack` in each request),
+               within REPLY_BYTES_KEPT a session (past it the oldest go, never the latest);
+               bare ids for the RECORDS_KEPT latest, and none under the watermark
+               `acked_below`: a request under it that has no record is an old copy, refused
+               as already served
     reply_topic  where its client hears replies (protocol.client_topic of the sender)
     traffic    messages and bytes the worker sent for it
     sent       transfers it sent, kept for resending (ipfs) to the identity they went to
@@ -23,6 +27,7 @@ request is served: run.py.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -31,7 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_LOST, is_name, request_number
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -42,7 +47,10 @@ from gridgraph.exec.worker.workspace import Workspace
 log = logging.getLogger("gridgraph.worker")
 
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
-REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
+# Bytes of unacknowledged replies kept per session, to answer a resent request again: past
+# it the oldest go (a resend of one then says so), never the latest. (A client keeps its
+# replies far under it: it bounds the runs it has in flight.)
+REPLY_BYTES_KEPT = 64 * 2**20
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
 # Ended sessions remembered (EndedSessions): per peer, and peers, the latest ones.
@@ -64,15 +72,25 @@ class ExecutorLost(Exception):
     code = SESSION_LOST
 
 
+# Why a record no longer holds its reply (`Record.dropped`).
+ACKNOWLEDGED = "its client acknowledged it"
+OVER_BYTES = (
+    f"the session's unacknowledged replies held over {REPLY_BYTES_KEPT // 2**20} MiB here "
+    f"(REPLY_BYTES_KEPT), and it was the oldest"
+)
+FORGOTTEN = "it was among the oldest of over RECORDS_KEPT requests"
+
+
 class Record:
     """What a session remembers of one request: its reply once sent, and when it went out."""
 
-    __slots__ = ("reply", "sent_at", "resent")
+    __slots__ = ("reply", "sent_at", "resent", "dropped")
 
     def __init__(self) -> None:
         self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
         self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
         self.resent = 0  # times the reply was sent again (worker.RESENDS at most)
+        self.dropped: str | None = None  # why the reply is no longer kept, once it is not
 
 
 class Session:
@@ -112,7 +130,12 @@ class Session:
         self.executor: Any = None
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self._reply_bytes = 0
-        self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
+        # records that got a reply, oldest first (some may have let it go since: skipped)
+        self._with_reply: deque[Record] = deque()
+        self._holding = 0  # records holding a reply
+        # Acknowledged: every request id numbered under this (protocol.request_number)
+        self.acked_below = 0
+        self._numbered: list[tuple[int, str]] = []  # heap: (number, id) of numbered records
         self._inbox_bytes = 0
         self._sent_bytes = 0
 
@@ -135,23 +158,64 @@ class Session:
     def record(self, rid: str) -> Record:
         """A new record for request `rid`, dropping the oldest ones past the caps."""
         rec = self.records[rid] = Record()
+        number = request_number(rid)
+        if number is not None:
+            heapq.heappush(self._numbered, (number, rid))
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
-            self._reply_bytes -= len(old.reply or b"")
-            old.reply = None
+            self._drop_reply(old, FORGOTTEN)
+        if len(self._numbered) > 2 * RECORDS_KEPT:  # (ids of records dropped above)
+            self._numbered = [(n, r) for n, r in self._numbered if r in self.records]
+            heapq.heapify(self._numbered)
         return rec
 
+    def stale(self, rid: str) -> bool:
+        """Whether `rid` is under the acknowledged watermark with no record: its reply was
+        acknowledged (or its client gave up on it), so this is an old copy."""
+        number = request_number(rid)
+        return number is not None and number < self.acked_below and rid not in self.records
+
+    def acknowledge(self, ack: Any) -> None:
+        """Let go of the replies `ack` (a request's, protocol.py) says its client no longer
+        needs: the records under its watermark go whole (the watermark refuses their
+        copies), those listed keep their bare id. Whatever else a request asks, this only
+        lets go of what its own client was keeping here; a malformed `ack` is ignored."""
+        if not isinstance(ack, dict):
+            return
+        below, ids = ack.get("below"), ack.get("ids")
+        if type(below) is int and self.acked_below < below <= 2**64:
+            self.acked_below = below
+            while self._numbered and self._numbered[0][0] < below:
+                _, rid = heapq.heappop(self._numbered)
+                rec = self.records.pop(rid, None)
+                if rec is not None:
+                    self._drop_reply(rec, ACKNOWLEDGED)
+        if isinstance(ids, list) and len(ids) <= MAX_ACK_IDS:
+            for number in ids:
+                if type(number) is int and 0 < number <= 2**64:
+                    rec = self.records.get(format(number, "x"))
+                    if rec is not None:
+                        self._drop_reply(rec, ACKNOWLEDGED)
+
     def replied(self, rec: Record, reply: bytes) -> None:
-        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay (a queue of
-        the records holding one, so this costs the same after a million requests)."""
+        """Keep `reply` for resends until it is acknowledged, within REPLY_BYTES_KEPT: past
+        it the oldest unacknowledged replies go, never this one (a queue of the records
+        that got one, so this costs the same after a million requests)."""
         rec.reply = reply
         self._reply_bytes += len(reply)
+        self._holding += 1
         self._with_reply.append(rec)
-        while len(self._with_reply) > REPLIES_KEPT:
-            old = self._with_reply.popleft()
-            if old.reply is not None:
-                self._reply_bytes -= len(old.reply)
-                old.reply = None
+        while self._reply_bytes > REPLY_BYTES_KEPT and self._with_reply[0] is not rec:
+            self._drop_reply(self._with_reply.popleft(), OVER_BYTES)
+        if len(self._with_reply) > 2 * self._holding + 64:  # most let go of theirs since
+            self._with_reply = deque(r for r in self._with_reply if r.reply is not None)
+
+    def _drop_reply(self, rec: Record, why: str) -> None:
+        if rec.reply is not None:
+            self._reply_bytes -= len(rec.reply)
+            self._holding -= 1
+            rec.reply = None
+            rec.dropped = why
 
     # --- transfers -------------------------------------------------------------------------
 
@@ -270,6 +334,8 @@ class Session:
             self.executor.close()
         self.records.clear()
         self._with_reply.clear()
+        self._numbered.clear()
+        self._holding = 0
         self.sent.clear()
         self.queue.clear()
         self.queued_bytes = 0

@@ -65,7 +65,13 @@ from gridgraph.exec.worker.run import (
     resend_wait,
     transfer_key,
 )
-from gridgraph.exec.worker.session import EndedSessions, ExecutorLost, RequestError, Session
+from gridgraph.exec.worker.session import (
+    ACKNOWLEDGED,
+    EndedSessions,
+    ExecutorLost,
+    RequestError,
+    Session,
+)
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -162,10 +168,14 @@ class Worker:
 
         Exactly once: a request id runs at most once per session. A resend of a request
         queued or running is ignored; one already answered gets its reply again (RESENDS
-        times at most), within the peer's request rate (past it, the resend is ignored: a
-        refusal would say that a request which ran did not). Every accepted request gets
-        exactly one reply: an error reply if anything fails, including encoding the reply
-        itself, or if its session ends (bye, lease, eviction) before it runs.
+        times at most) while its client has not acknowledged it (session.py keeps it until
+        then); one under the session's acknowledged watermark with no record is an old copy,
+        refused as already served. Each request's `ack` applies whatever becomes of it (it
+        lets go only of what its own client kept). Answers again go within the peer's
+        request rate (past it, the resend is ignored: a refusal would say that a request
+        which ran did not). Every accepted request gets exactly one reply: an error reply if
+        anything fails, including encoding the reply itself, or if its session ends (bye,
+        lease, eviction) before it runs.
 
         A refused request changes nothing, not even its `free` list: frees apply only once
         the request was accepted and served. A request over the peer's rate, the session's
@@ -216,12 +226,17 @@ class Worker:
                 return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
+            stale = rec is None and session.stale(rid)  # (before this request's own ack)
+            session.acknowledge(msg.get("ack"))
             session.reply_topic = reply_to
-            if rec is not None:  # a resend: never run twice
-                lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
+            if rec is not None or stale:  # a resend, or an old copy: never run twice
+                lost = rec is not None and rec.reply is not None and arrived > rec.sent_at
                 if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
                     lost = False  # (a reply can be large; each resend is a publish of it)
-                forgotten = not lost and rec.sent_at < arrived
+                    why = f"it was sent {RESENDS} times again already"
+                else:
+                    why = ACKNOWLEDGED if stale else rec.dropped
+                forgotten = not lost and (stale or rec.sent_at < arrived)
                 if (lost or forgotten) and not self._rate.allow(owner):
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
@@ -231,8 +246,7 @@ class Worker:
                     self._outbox.put((reply_to, rec.reply, None))
                 elif forgotten:
                     error = RequestError(
-                        f"request already served; its reply is no longer kept, or was sent "
-                        f"{RESENDS} times again",
+                        f"request already served; its reply is no longer kept here: {why}",
                         ALREADY_SERVED,
                     )
                     self._refuse(reply_to, rid, error)
