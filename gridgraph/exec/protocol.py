@@ -14,6 +14,11 @@ n). A worker keeps each reply until it is acknowledged (worker/session.py), and 
 already served a request under `below` it has no record of: an old copy the transport
 delivered late.
 
+Order: a run request carries `after`, the id number of the run its client sent the same
+worker before it (0 for its first). A worker queues a run only once that one is recorded
+there or acknowledged, so a session's runs are served in the order they were sent, whatever
+order the transport delivers them in (worker/session.py `held`).
+
 Caps: every string a peer chooses that a worker keeps has a length limit here, so that what
 it keeps is counted against someone (a session's records, its named peers, an inbox key).
 """

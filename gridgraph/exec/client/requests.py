@@ -36,6 +36,7 @@ nothing of plans or pointers, and asks the client only to describe what a lost w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from gridgraph.errors import GridError, RemoteError, SessionLost, WorkerLost
 from gridgraph.exec import resend, wire
 from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_GONE, worker_topic
-from gridgraph.exec.transport import Transport
+from gridgraph.exec.transport import NotSent, Transport
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
@@ -108,6 +109,7 @@ class Requests:
         self._last_number = 0
         self._unacked: dict[str, dict[int, None]] = {w: {} for w in workers}
         self._acked_above: dict[str, set[int]] = {w: set() for w in workers}
+        self._last_in_order: dict[str, int] = {}  # per worker, the latest run's number
         self._replies: dict[str, dict] = {}
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
@@ -159,10 +161,19 @@ class Requests:
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
 
-    def send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
+    def send(
+        self,
+        worker: str,
+        msg: dict,
+        counted: bool = True,
+        awaited: bool = True,
+        in_order: bool = False,
+    ) -> str:
         """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
         resending (kept, each stayed for ever, with its reply): its reply only tells whether
-        its ids were freed (`_free_batches`)."""
+        its ids were freed (`_free_batches`). One `in_order` (a run) names the one sent
+        `in_order` to the same worker before it (`after`): the worker serves them in the
+        order sent."""
         refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
         with self._cv:  # (another thread's reply may put frees back meanwhile)
             if refile:
@@ -171,6 +182,9 @@ class Requests:
             number = self._last_number = next(self._request_numbers)
             self._unacked[worker][number] = None  # (numbers go in in order, under _cv)
             ack = self._ack(worker)
+            if in_order:
+                msg = {**msg, "after": self._last_in_order.get(worker, 0)}
+                self._last_in_order[worker] = number
         rid = f"{number:x}"
         msg = {**msg, "id": rid, "session": self.session, "free": frees, "ack": ack}
         payload = wire.encode(msg)
@@ -185,6 +199,8 @@ class Requests:
                 self._done(worker, rid)
         try:
             self.transport.publish(topic, payload, counted, identity)
+        except NotSent:  # as a message lost: its wait sends it again (a batch of frees:
+            pass  # its ids go again once it is long unanswered)
         except BaseException:  # (the transport is closed): nothing will wait for it
             with self._cv:
                 if self._outstanding.pop(rid, None) or self._free_batches.pop(rid, None):
@@ -267,7 +283,8 @@ class Requests:
                     if now >= due[w]:
                         identity, payload, _ = self._outstanding[rids[w]]
                         # ipfs: recovery traffic is not counted: stats do not depend on losses
-                        self.transport.publish(worker_topic(w), payload, False, identity)
+                        with contextlib.suppress(NotSent):  # (lost again: sent again later)
+                            self.transport.publish(worker_topic(w), payload, False, identity)
                         retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
                         due[w] = now + retry[w]
                 if now - start > self.timeout:
@@ -288,6 +305,16 @@ class Requests:
                     self._outstanding.pop(rid, None)
                     self._replies.pop(rid, None)
                     self._done(w, rid)
+
+    def abandon(self, rids: dict[str, str]) -> None:
+        """Give up on these requests (worker -> id) without waiting (a cancel): their frees
+        go with the next request to their worker, their replies are acknowledged."""
+        with self._cv:
+            self._put_frees_back(rids)
+            for w, rid in rids.items():
+                if self._outstanding.pop(rid, None) is not None:
+                    self._done(w, rid)
+                self._replies.pop(rid, None)
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
         """The replies to `rids`, all in (under _cv). An error names the worker it came

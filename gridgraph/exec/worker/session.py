@@ -19,6 +19,9 @@ reset any of it:
                identity, as received (decoded only when a run takes one); charged to the
                session when its runs named the sender (`named`), else to the sender
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
+    held       runs that came before the run their client sent this worker ahead of them
+               (`after`, protocol.py): held, counted in `queued_bytes`, until that one is
+               recorded here or acknowledged, so runs are served in the order they were sent
 
 All of it counts against the session's memory limit (`memory()`), and all of it goes when the
 client says `bye` or its lease expires; `EndedSessions` remembers why a session ended. How a
@@ -118,9 +121,13 @@ class Session:
         self.release_stray: Callable[[str, int], None] = lambda sender, nbytes: None
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
+        self.aborted_upto = 0  # and every run numbered up to this, if positive (a cancel)
         # (request, or None until served if it came while others waited; arrival; payload)
         self.queue: deque[tuple[dict | None, float, bytes]] = deque()
-        self.queued_bytes = 0  # of the payloads in `queue`
+        self.queued_bytes = 0  # of the payloads in `queue` and `held`
+        # the request id number of the run each waits for -> [(its id, its queue entry)]
+        self.held: dict[int, list[tuple[str, tuple[dict | None, float, bytes]]]] = {}
+        self._held_numbers: set[int] = set()  # the id numbers of the runs held
         self.busy = False  # a request is queued or running
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
@@ -217,6 +224,47 @@ class Session:
             rec.reply = None
             rec.dropped = why
 
+    # --- runs in the order sent ------------------------------------------------------------
+
+    def in_turn(self, after: Any) -> bool:
+        """Whether a run that names `after` (the id number of the run its client sent this
+        worker before it; none, or not a positive int: no order) may be queued now: that
+        run is recorded here (queued, served or refused) or acknowledged."""
+        if type(after) is not int or after <= 0:
+            return True
+        if after < self.acked_below:
+            return True
+        return format(after, "x") in self.records and after not in self._held_numbers
+
+    def hold(self, after: int, rid: str, entry: tuple[dict | None, float, bytes]) -> None:
+        """Hold a run until the one it names (`after`) is queued or acknowledged."""
+        self.held.setdefault(after, []).append((rid, entry))
+        number = request_number(rid)
+        if number is not None:
+            self._held_numbers.add(number)
+
+    def in_turn_now(self, rid: str) -> list[tuple[dict | None, float, bytes]]:
+        """The held runs that may be queued now that request `rid` was: those waiting for it,
+        and for them in turn, and those waiting for a run since acknowledged."""
+        ready, done = [], [rid]
+        for after in sorted(a for a in self.held if a < self.acked_below):
+            done.extend(r for r, _ in self.held[after])
+            ready.extend(e for _, e in self.held.pop(after))
+        while done:
+            number = request_number(done.pop(0))
+            self._held_numbers.discard(number)
+            for r, entry in self.held.pop(number, ()) if number is not None else ():
+                ready.append(entry)
+                done.append(r)
+        return ready
+
+    def take_held(self) -> list[tuple[dict | None, float, bytes]]:
+        """Every held run, no longer held (its session ends or fails its queue)."""
+        held = [entry for waiting in self.held.values() for _, entry in waiting]
+        self.held.clear()
+        self._held_numbers.clear()
+        return held
+
     # --- transfers -------------------------------------------------------------------------
 
     def keep_sent(
@@ -299,14 +347,24 @@ class Session:
         else:
             self._inbox_bytes -= len(payload) + TRANSFER_BYTES
 
-    def abort(self, run: Any) -> None:
-        if type(run) is not int:
-            return
+    def abort(self, run: Any, upto: Any = None) -> None:
+        """Its client gave up on run `run`, or on every run numbered up to `upto` (a cancel):
+        a run waiting in a recv fails at once, one running stops before its next op, one
+        queued is answered without running."""
         with self.cv:
-            self.aborted[run] = None
-            while len(self.aborted) > TRANSFERS_KEPT:
-                self.aborted.popitem(last=False)
+            if type(run) is int:
+                self.aborted[run] = None
+                while len(self.aborted) > TRANSFERS_KEPT:
+                    self.aborted.popitem(last=False)
+            if type(upto) is int and upto > self.aborted_upto:
+                self.aborted_upto = upto
             self.cv.notify_all()
+
+    def is_aborted(self, run: Any) -> bool:
+        """Whether its client gave up on run `run` (`abort`)."""
+        if type(run) is not int:
+            return False
+        return run in self.aborted or 0 < self.aborted_upto and run <= self.aborted_upto
 
     # --- end -------------------------------------------------------------------------------
 
@@ -338,6 +396,8 @@ class Session:
         self._holding = 0
         self.sent.clear()
         self.queue.clear()
+        self.held.clear()
+        self._held_numbers.clear()
         self.queued_bytes = 0
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0
         return n

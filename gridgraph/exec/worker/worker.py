@@ -11,9 +11,10 @@ per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node)
 
 Policy:
 - the transport's thread only decodes, checks and enqueues (`on_message`); each session's
-  requests run in arrival order on a thread of its own (`_drain`), in its executor process
-  when the worker was given an `Isolation` (isolation/executor.py): no client's long program
-  delays another's;
+  requests run in arrival order on a thread of its own (`_drain`), its runs in the order
+  its client sent them (a run that overtook the one before it waits, session.py `held`),
+  in its executor process when the worker was given an `Isolation` (isolation/executor.py):
+  no client's long program delays another's; a cancelled run stops between ops;
 - exactly once: a request id runs at most once per session, and every accepted request gets
   exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
@@ -157,7 +158,7 @@ class Worker:
             elif kind == "abort":  # the session's thread may be blocked in a recv
                 session = self._session(_client_key(sender, msg), sender, create=False)
                 if session is not None:
-                    session.abort(msg.get("run"))
+                    session.abort(msg.get("run"), msg.get("upto"))
             else:
                 self._accept_request(sender, msg, payload)
         except Exception:  # a bug must not take the transport's thread down
@@ -278,8 +279,12 @@ class Worker:
             # bytes, and its session is charged the bytes received. One that finds the
             # session idle (a client's next step, sent once its last reply came) stays
             # decoded: decoded once, and served at once.
-            session.queue.append((None if session.busy else msg, arrived, payload))
+            entry = (None if session.busy else msg, arrived, payload)
             session.queued_bytes += len(payload)
+            if msg["kind"] == "run" and not session.in_turn(msg.get("after")):
+                session.hold(msg["after"], rid, (None, arrived, payload))
+                return  # queued once the run sent before it is (protocol.py: `after`)
+            session.queue.extend([entry, *session.in_turn_now(rid)])
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
                 session.cv.notify_all()
@@ -302,7 +307,7 @@ class Worker:
         """Answer every request waiting in `session`'s queue with `error`, none of them run,
         and leave the session ready for its next request."""
         with session.cv:
-            waiting = list(session.queue)
+            waiting = [*session.queue, *session.take_held()]
             session.queue.clear()
             session.queued_bytes = 0
             session.busy = session.serving = False
@@ -527,6 +532,10 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, session.reply_topic, reply, counted=True)
             return
+        if kind == "run" and session.is_aborted(msg.get("run")):  # (cancelled while queued)
+            error = RequestError(f"run {msg['run']} was cancelled by its client; nothing of it ran")
+            self._reply(session, rid, self._error_reply(rid, error))
+            return
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
             session.name_workers(peers.values())
@@ -614,7 +623,7 @@ class Worker:
         remember it ended (`left`), so that one coming later is refused too."""
         with session.cv:
             session.closed = True  # later requests are refused on arrival
-            waiting = list(session.queue)
+            waiting = [*session.queue, *session.take_held()]
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
@@ -689,7 +698,7 @@ class Worker:
         ask = time.monotonic() + resend_wait(ask_after)
         with session.cv:
             while not session.has_transfer(key, peer):
-                if run in session.aborted:
+                if session.is_aborted(run):
                     raise UpstreamFailed(f"run {run} was aborted by its client")
                 if session.closed:
                     raise UpstreamFailed("the session was closed")

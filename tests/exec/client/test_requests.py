@@ -19,6 +19,7 @@ import torch
 from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import ALREADY_SERVED, client_topic
 from gridgraph.exec.safety.limits import Limits
+from gridgraph.exec.transport import LocalBus, NotSent
 from gridgraph.exec.worker.worker import Worker
 from tests.exec import hostile
 from tests.exec.chaos import ChaosBus
@@ -30,9 +31,9 @@ FETCH_1 = {"kind": "run", "run": 2, "plan": 2, "program": [[["return", 0]]], "sl
 
 @pytest.fixture
 def chaos():
-    """A bus that loses 30% of replies and duplicates and reorders every kind of message,
+    """A bus that loses 15% of messages, duplicates 10% and reorders every kind of message,
     with one worker on it; and a `Requests` of a client there that asks again soon."""
-    bus = ChaosBus(7, lose=0.3, duplicate=0.2, delay=0.02)
+    bus = ChaosBus(7, lose=0.15, duplicate=0.1, delay=0.02)
     bus.which = lambda kind: True
     worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
     transport = bus.endpoint("client")
@@ -140,3 +141,32 @@ def test_a_wait_given_up_acknowledges_its_request(chaos):
     assert requests.call("w0", {"kind": "ping"})["ok"]
     state = next(iter(worker.sessions.values()))
     assert state.acked_below == 2 and "1" not in state.records
+
+
+class RefusingBus(LocalBus):
+    """Refuses (NotSent) the first `refusals` publishes to a worker, as Kubo refuses a
+    publish it is still validating another through the same node."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    def _deliver(self, sender: str, topic: str, payload: bytes, to: str | None) -> None:
+        if self.refusals and topic.startswith("gridgraph.worker."):
+            self.refusals -= 1
+            raise NotSent("HTTP 500 validation ignored")
+        super()._deliver(sender, topic, payload, to)
+
+
+def test_a_publish_refused_for_now_is_sent_again_never_raised():
+    bus = RefusingBus(refusals=3)
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    requests = Requests(bus.endpoint("client"), client_topic("client", "s1"), "s1", ["w0"],
+                        retry_after=0.05, lost_values=lambda w: [])  # fmt: skip
+    try:
+        assert requests.call("w0", {"kind": "put", "values": [[1, torch.zeros(1)]]})["ok"]
+        assert requests.call("w0", add_one_in_place(1))["ok"]
+        [[_, value]] = requests.call("w0", FETCH_1)["returns"]
+        assert torch.equal(value, torch.ones(1)) and bus.refusals == 0
+    finally:
+        worker.close()
