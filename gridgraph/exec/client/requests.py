@@ -27,7 +27,8 @@ Policy: a request without its reply is sent again after `retry_after` s, then tw
 each time (at most 8 times as long), or first sooner where answers to the same kind of
 request came sooner (exec/resend.py); workers answer a repeated request id from their reply
 cache. A reply counts only from the identity its request was sealed for; a waiter wakes once
-all of its replies are in. A worker that `alive` says is gone fails its waits at once.
+all of its replies are in. A worker that `alive` says is gone fails its waits at once, unless
+it replied within HEARD_ALIVE s (a reply is a sign of life too).
 
 The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
 to free (`free`, `free_later`); this knows workers by name and value ids as plain numbers,
@@ -51,6 +52,9 @@ from gridgraph.exec.transport import NotSent, Transport
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
+# A worker that replied within this many seconds is alive, whatever `alive` says (on IPFS,
+# heartbeats: as long as ipfs/discovery.py's DEAD_AFTER).
+HEARD_ALIVE = 5.0
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class Requests:
         self._unacked: dict[str, dict[int, None]] = {w: {} for w in workers}
         self._acked_above: dict[str, set[int]] = {w: set() for w in workers}
         self._last_in_order: dict[str, int] = {}  # per worker, the latest run's number
+        self._heard: dict[str | None, float] = {}  # identity -> when it last replied
         self._replies: dict[str, dict] = {}
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
@@ -278,7 +283,7 @@ class Requests:
                 # Kubo), and every reply, to any waiting thread, is taken under it.
                 now = time.monotonic()
                 for w in waiting:
-                    if not self.alive(w):
+                    if not self.alive(w) and not self._heard_lately(rids[w], now):
                         raise WorkerLost(w, self.lost_values(w))
                     if now >= due[w]:
                         identity, payload, _ = self._outstanding[rids[w]]
@@ -315,6 +320,13 @@ class Requests:
                 if self._outstanding.pop(rid, None) is not None:
                     self._done(w, rid)
                 self._replies.pop(rid, None)
+
+    def _heard_lately(self, rid: str, now: float) -> bool:
+        """Whether the worker request `rid` went to answered any request within HEARD_ALIVE
+        s: a worker that replies is alive, whatever its heartbeats (on Kubo under load,
+        announcements are lost with the rest, and a live worker was taken for lost)."""
+        identity = self._outstanding[rid][0]
+        return now - self._heard.get(identity, -math.inf) < HEARD_ALIVE
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
         """The replies to `rids`, all in (under _cv). An error names the worker it came
@@ -367,6 +379,7 @@ class Requests:
             outstanding = self._outstanding.get(rid)
             if outstanding is None or sender != outstanding[0]:
                 return  # not awaited, or not from the worker the request went to
+            self._heard[sender] = time.monotonic()
             self._replies[rid] = msg
             if any(needed <= self._replies.keys() for needed in self._waiting):
                 self._cv.notify_all()

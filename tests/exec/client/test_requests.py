@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from gridgraph.errors import WorkerLost
 from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import ALREADY_SERVED, client_topic
 from gridgraph.exec.safety.limits import Limits
@@ -168,5 +169,29 @@ def test_a_publish_refused_for_now_is_sent_again_never_raised():
         assert requests.call("w0", add_one_in_place(1))["ok"]
         [[_, value]] = requests.call("w0", FETCH_1)["returns"]
         assert torch.equal(value, torch.ones(1)) and bus.refusals == 0
+    finally:
+        worker.close()
+
+
+def test_a_worker_that_replies_is_alive_whatever_its_heartbeats():
+    # 8 clients x 100 computations on 3 Kubo workers: 108 WorkerLost for live workers, whose
+    # announcements were lost with the rest under load while their replies came.
+    bus = LocalBus()
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    heartbeats = [True]
+
+    def requests_of(name: str, on: LocalBus = bus) -> Requests:
+        return Requests(on.endpoint(name), client_topic(name, "s1"), "s1", ["w0"],
+                        alive=lambda w: heartbeats[0], lost_values=lambda w: [])  # fmt: skip
+
+    try:
+        requests = requests_of("client")
+        assert requests.call("w0", {"kind": "ping"})["ok"]
+        heartbeats[0] = False  # none heard for a while: `alive` says it is gone
+        with ThreadPoolExecutor(50) as pool:
+            replies = list(pool.map(lambda _: requests.call("w0", {"kind": "ping"}), range(50)))
+        assert all(r["ok"] for r in replies)
+        with pytest.raises(WorkerLost):  # one it never answered (gone) is lost at once
+            requests_of("other", LocalBus()).call("w0", {"kind": "ping"})
     finally:
         worker.close()
