@@ -589,7 +589,7 @@ class Client:
         run = self.in_flight.runs[0]
         try:
             replies = self._wait_run(run)
-        except (RemoteError, WorkerLost) as e:
+        except (RemoteError, WorkerLost, GridError) as e:  # (GridError: it timed out)
             self.in_flight.pop()
             if self.in_flight.failure is None:
                 self.in_flight.failure = e

@@ -24,6 +24,7 @@ from gridgraph.exec.grid import Grid
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker.worker import Worker
 from tests.exec.chaos import ChaosBus
+from tests.exec.test_resend import DeafBus
 
 
 def chaos_grid(bus: ChaosBus, n: int = 2) -> Grid:
@@ -259,3 +260,23 @@ def test_grid_cancel_from_another_thread_ends_the_wait_with_the_runs_cancelled()
         assert torch.equal((x * 2).get(), torch.full((2,), 2.0))  # later runs run
         with pytest.raises(gg.RemoteError, match="cancelled"):
             y.get()
+
+
+def test_a_run_nobody_answers_times_out_at_the_sync_once():
+    bus = DeafBus()
+    worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
+    client = Client(bus.endpoint("client"), ["w0"], timeout=0.3, retry_after=0.05)
+    with Grid(client, on_close=worker.close, local_workers=[worker]) as grid:
+        x = torch.ones(2).send(grid.workers[0])
+        with gg.trace():
+            y = x * 2
+        bus.deaf = True
+        y.compute()  # sent, and lost with every resend
+        with pytest.raises(gg.GridError, match="did not answer"):
+            grid.sync()
+        assert not grid.client.in_flight.runs
+        bus.deaf = False
+        grid.sync()  # raised once
+        with pytest.raises(gg.GridError, match="did not answer"):
+            y.get()  # its value is a failed one
+        assert torch.equal((x * 3).get(), torch.full((2,), 3.0))
