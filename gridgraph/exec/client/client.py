@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 import uuid
 import weakref
 from collections import defaultdict, deque
@@ -577,7 +578,8 @@ class Client:
             for w in msgs:  # (a later run names it only: the worker serves them in order)
                 self._programs_sent[w].add(plan.id)
         self.last_plan, self.last_slots = plan, slots
-        sent = Run(number, plan, slots, rids, msgs, **{"learn_as": None, **run})
+        sent = Run(number, plan, slots, rids, msgs, **{"learn_as": None, **run},
+                   sent_at=time.monotonic())  # fmt: skip
         self.in_flight.add(sent)
         return sent
 
@@ -643,7 +645,8 @@ class Client:
         first failure (or WorkerLost)."""
         plan, msgs, rids = run.plan, run.msgs, run.rids
         try:
-            replies = self.requests.wait(plan.id if run.learn_as is None else run.learn_as, rids)
+            key = plan.id if run.learn_as is None else run.learn_as
+            replies = self.requests.wait(key, rids, run.sent_at)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
                 w: self.requests.send(w, {**msgs[w], "program": plan.wire[w]}, in_order=True)

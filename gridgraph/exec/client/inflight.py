@@ -38,6 +38,7 @@ class Run:
     rids: dict[str, str]  # worker -> request id
     msgs: dict[str, dict]  # worker -> the request (sent again with its program if dropped)
     learn_as: Hashable | None
+    sent_at: float  # time.monotonic() when it was sent
     where: dict[int, str] | None = None  # the user's file:line by slot, where known
     nodes: list[Node] = field(default_factory=list)  # its nodes, for the lines of errors
     outputs: list[int] = field(default_factory=list)  # values it defines that outlive it

@@ -249,25 +249,33 @@ class Requests:
         """The payload of outstanding request `rid`, as sent."""
         return self._outstanding[rid][1]
 
-    def wait(self, key: Hashable, rids: dict[str, str]) -> dict[str, dict]:
+    def wait(
+        self, key: Hashable, rids: dict[str, str], sent_at: float | None = None
+    ) -> dict[str, dict]:
         """`wait_all(rids)`, where `key` names what the requests are (a plan; a kind of
         request to a worker): a small request is first sent again after what the earlier
-        answers to `key` took, if that is sooner than retry_after (exec/resend.py)."""
+        answers to `key` took, if that is sooner than retry_after (exec/resend.py). Times
+        count from `sent_at` (time.monotonic() when they were sent; by default now): a run
+        not waited for at once is not asked again as if just sent."""
         learned = self._answer_times.wait(key, self.retry_after)
         early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
-        start = time.monotonic()
-        replies = self.wait_all(rids, early)
+        start = time.monotonic() if sent_at is None else sent_at
+        replies = self.wait_all(rids, early, start)
         self._answer_times.observe(key, time.monotonic() - start)
         return replies
 
     def wait_all(
-        self, rids: dict[str, str], early: dict[str, float] | None = None
+        self,
+        rids: dict[str, str],
+        early: dict[str, float] | None = None,
+        sent_at: float | None = None,
     ) -> dict[str, dict]:
         """The replies to several requests (worker -> request id), resending each while its
         reply does not come: after `retry_after` s, then after twice as long each time, but
-        first after `early[worker]` s where given (exec/resend.py). All at once: a worker may
-        wait on another's lost request."""
-        start = time.monotonic()
+        first after `early[worker]` s where given (exec/resend.py), counted from `sent_at`
+        (by default now). All at once: a worker may wait on another's lost request."""
+        waited = time.monotonic()  # (the timeout counts from here: a run queued behind
+        start = waited if sent_at is None else sent_at  # others is not late for that)
         retry = {w: self.retry_after for w in rids}
         due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
         needed = set(rids.values())
@@ -292,7 +300,7 @@ class Requests:
                             self.transport.publish(worker_topic(w), payload, False, identity)
                         retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
                         due[w] = now + retry[w]
-                if now - start > self.timeout:
+                if now - waited > self.timeout:
                     raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
                 with self._cv:  # (a reply that came meanwhile is not waited for)
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
