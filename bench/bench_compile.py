@@ -6,7 +6,8 @@ The issue's small model: a 13 -> 64 -> 1 MLP, batch 32, SGD with momentum, on
 `gg.local_grid(2)` (the model on w0, the data on w1). Each step reads its loss (`.item()`),
 as a training loop that prints it does. Prints per step: wall time of each of the three (the
 median of interleaved rounds, so machine noise hits all three alike), their ratios to plain
-torch, and messages per step of the traced and the compiled step.
+torch, and messages per step of the traced and the compiled step; and `unsynced`: the
+compiled step called `--steps` times reading nothing, then `grid.sync()` (all of it timed).
 
 It also prints plain torch timed before the grid starts, alone in the process. The
 interleaved plain step is slower: the workers' threads each hold an OpenMP team, and once a
@@ -90,15 +91,24 @@ def main() -> None:
         def compiled_step() -> float:
             return step(x, y).item()
 
+        def unsynced_steps(steps: int) -> float:
+            """Seconds per step of `steps` compiled steps that read nothing, then a sync."""
+            t = time.perf_counter()
+            for _ in range(steps):
+                step(x, y)
+            grid.sync()
+            return (time.perf_counter() - t) / steps
+
         for _ in range(5):  # warm-up: caches filled, the compiled step replays
             plain_step(), traced_step(), compiled_step()
         assert step.replays > 0, step.not_replayable
 
-        times: dict[str, list[float]] = {"plain": [], "traced": [], "compiled": []}
+        times: dict[str, list[float]] = {"plain": [], "traced": [], "compiled": [], "unsynced": []}
         for _ in range(args.rounds):
             times["plain"].append(timed(plain_step, args.steps))
             times["traced"].append(timed(traced_step, args.steps))
             times["compiled"].append(timed(compiled_step, args.steps))
+            times["unsynced"].append(unsynced_steps(args.steps))
         med = {k: statistics.median(v) for k, v in times.items()}
 
         messages = {}
@@ -111,13 +121,13 @@ def main() -> None:
             messages[name] = grid.stats()["messages"] / 10
 
         print("13 -> 64 -> 1 MLP, batch 32, SGD(momentum), 2 local workers, loss read each step")
-        for name in ("plain", "traced", "compiled"):
+        for name in ("plain", "traced", "compiled", "unsynced"):
             ratio = med[name] / med["plain"]
             msgs = f"   messages/step {messages[name]:.1f}" if name in messages else ""
             print(f"  {name:9s} {med[name] * 1e6:9.1f} us/step   {ratio:6.2f}x plain torch{msgs}")
         print(f"  compiled vs traced: {med['compiled'] / med['traced']:.2f}x")
         print(f"plain torch alone, timed before the grid started: {alone * 1e6:.1f} us/step")
-        for name in ("plain", "traced", "compiled"):
+        for name in ("plain", "traced", "compiled", "unsynced"):
             print(f"  {name:9s} {med[name] / alone:6.2f}x plain torch alone")
 
         if args.profile:

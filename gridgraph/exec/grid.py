@@ -187,6 +187,7 @@ class Grid:
         self._stats(reset=True)
 
     def _stats(self, reset: bool) -> dict:
+        self.client.settle()  # (what runs in flight hold is released once they settled)
         self.client.release_dead()
         per_worker = {}
         messages = bytes_ = 0
@@ -210,19 +211,65 @@ class Grid:
         for w in self.workers:
             w.manual_seed(seed)
 
+    # --- runs in flight --------------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Wait until every run sent so far has finished; raise the first failure among them
+        (naming the op, the worker and your line). `.compute()`, `gg.compute(...)` and a
+        compiled step return once their run is sent; reading a value (`.get()`, `.item()`,
+        `bool()`, `.tolist()`) waits too, and so does leaving the `with` block.
+
+        >>> for x, y in batches:
+        ...     loss = step(x, y)  # returns at once; the workers set the pace
+        >>> grid.sync()  # every step ran (or its failure is raised here)
+        """
+        self._check_open()
+        self.client.settle()
+
+    def cancel(self) -> None:
+        """Cancel every run this client has sent: each stops between ops on its worker (one
+        queued does not start), and a wait for one ends with `gg.RemoteError` saying it
+        was cancelled. Safe from any thread (Ctrl-C during a wait does the same).
+
+        >>> threading.Timer(60, grid.cancel).start()  # give up on what runs after a minute
+        """
+        self._check_open()
+        self.client.cancel()
+
+    @property
+    def max_in_flight(self) -> int:
+        """Runs a worker may have in flight from this client (default 8): past it, the next
+        run waits for the oldest. Higher overlaps more steps and holds more memory."""
+        return self.client.in_flight.max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, runs: int) -> None:
+        if type(runs) is not int or runs < 1:
+            raise ValueError(f"max_in_flight is a positive int, got {runs!r}")
+        self.client.in_flight.max_in_flight = runs
+
     # --- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free this client's tensors on every worker and stop."""
+        """Wait for the runs in flight, free this client's tensors on every worker and stop;
+        raises the first failure among those runs, once all is freed."""
         if self.client.closed:
             return
-        self.client.close()
-        self._on_close()
+        try:
+            self.client.close()
+        finally:
+            self._on_close()
 
     def __enter__(self) -> Grid:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:  # an error is on its way already: it is the one raised
+            try:
+                self.close()
+            except Exception:
+                pass
+            return
         self.close()
 
     def __repr__(self) -> str:

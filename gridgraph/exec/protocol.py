@@ -7,6 +7,18 @@ Topics: a worker hears requests on `worker_topic(name)`; a client session hears 
 on `client_topic(identity, session)`, which no request names; workers announce themselves on
 DISCOVERY_TOPIC (IPFS only, the one topic sent in the clear).
 
+Acknowledgements: every request carries `ack`, what its client no longer needs a reply to
+from that worker (received, or given up): `{"below": n, "ids": [m, ...]}`, every request
+whose id (`request_number`) is under n, and the ids listed (at most MAX_ACK_IDS, all at least
+n). A worker keeps each reply until it is acknowledged (worker/session.py), and refuses as
+already served a request under `below` it has no record of: an old copy the transport
+delivered late.
+
+Order: a run request carries `after`, the id number of the run its client sent the same
+worker before it (0 for its first). A worker queues a run only once that one is recorded
+there or acknowledged, so a session's runs are served in the order they were sent, whatever
+order the transport delivers them in (worker/session.py `held`).
+
 Caps: every string a peer chooses that a worker keeps has a length limit here, so that what
 it keeps is counted against someone (a session's records, its named peers, an inbox key).
 """
@@ -37,6 +49,17 @@ MAX_SESSION_ID = 64  # a client's are 12; kept in its session's key
 MAX_REQUEST_ID = 64  # a client's are a few hex digits; kept in its session's records
 MAX_CLIENT_KEY = 1024  # identity (an IPFS one is ~110 characters) / session id
 MAX_NAME = 256  # a worker name or identity a run names (IPFS identities: ~100)
+
+MAX_ACK_IDS = 64  # request ids a request acknowledges one by one, above its watermark
+
+
+def request_number(rid: str) -> int | None:
+    """The number a request id spells (a client's ids are consecutive numbers in lowercase
+    hex: "1", "2", ... "a"), or None for an id spelt any other way, which no
+    acknowledgement watermark covers."""
+    if not 0 < len(rid) <= 16 or rid[0] == "0" or not all(c in "0123456789abcdef" for c in rid):
+        return None
+    return int(rid, 16)
 
 
 def worker_topic(name: str) -> str:

@@ -27,6 +27,12 @@ from dataclasses import dataclass
 Handler = Callable[[str, bytes], None]
 
 
+class NotSent(Exception):
+    """A publish that did not go out this time, though the transport is up (Kubo refused it
+    as "validation ignored" however often it was tried): for the layers above, a message
+    lost, which whoever waits for its answer sends again."""
+
+
 @dataclass
 class TrafficCounter:
     """Messages and bytes this endpoint has published since the last reset."""

@@ -136,6 +136,7 @@ def train(grid: Grid, bus: LossyBus, steps: int = 8, warm_up: int = 5) -> torch.
     def one_step() -> None:
         nonlocal w
         w = compiled(w)
+        grid.sync()  # (a step returns once sent: each is waited for here)
 
     losing_one(bus, one_step, steps, warm_up)
     assert bus.dropped == 1 and compiled.replays > 0
@@ -238,6 +239,7 @@ def _frees_dead_pointers(grid: Grid, x: gg.RemoteTensor) -> int:
     with gg.trace():
         ys = [x + i for i in range(FREE_BATCH)]
     gg.compute(*ys)
+    grid.sync()
     held = len(_session_of(grid).work.store)
     del ys
     gc.collect()
@@ -329,6 +331,7 @@ def test_frees_for_a_session_its_worker_ended_are_not_sent_again():
         with gg.trace():
             halves = [[x + i for i in range(FREE_BATCH)] for _ in range(2)]
         gg.compute(*halves[0], *halves[1])
+        grid.sync()
         worker.expire_clients(0)  # the worker frees all of it, and the session ends
         for _ in range(2):
             halves.pop()

@@ -8,8 +8,10 @@ State:
                to be freed (exec/client/requests.py)
 
 The loop of `execute`: take what the targets need from the pending graph, place it, split it
-into per-worker programs (gridgraph.schedule), send one message per worker, wait for the
-replies, then record where each value now lives and drop what no one needs.
+into per-worker programs (gridgraph.schedule), send one message per worker, record where each
+value now lives and drop what no one needs. `execute` and a compiled step's replay return
+once the messages are sent; their replies are taken at the next sync point (`settle`, which
+raises the first failure among them; exec/client/inflight.py has the policy).
 
 Freed pointers only append to a queue (their weakref callback may run on any thread, any time);
 the queue is drained at the start of the next request, so releases travel in batches.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 import uuid
 import weakref
 from collections import defaultdict, deque
@@ -40,6 +43,7 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec import wire
+from gridgraph.exec.client.inflight import MAX_IN_FLIGHT, InFlight, Run
 from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
@@ -95,6 +99,7 @@ class Client:
         alive: Callable[[str], bool] = lambda worker: True,
         cost: CostModel | None = None,
         memory_cap: int | dict[str, int] | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
         self.transport = transport
         self.workers = list(workers)
@@ -133,6 +138,9 @@ class Client:
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
+        # Runs sent and not settled (asynchronous dispatch, exec/client/inflight.py).
+        self.in_flight = InFlight(max_in_flight)
+        self._released_after_runs: list[Cell] = []  # dead cells that runs in flight name
         self._lock = threading.RLock()  # one execution at a time per client
         CLIENTS.add(self)
 
@@ -212,6 +220,9 @@ class Client:
                 del self.live[vid]
             elif vid in self.live:
                 continue  # another pointer names this value now
+            if vid in self.in_flight.held:  # released once the runs naming it settled
+                self._released_after_runs.append(cell)
+                continue
             self.failed.pop(vid, None)
             value = self.graph.values.get(vid)
             if value is None or vid in pending_inputs or value.producer in self.graph:
@@ -241,8 +252,8 @@ class Client:
                     f"or send (they take {', '.join(DTYPES)})"
                 )
         self.graph.add(node)
-        if eager:
-            self.execute(list(node.outputs))
+        if eager:  # (an op outside gg.trace() waits for its run, as torch's would)
+            self.execute(list(node.outputs), wait=True)
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
         self.check_open()
@@ -250,7 +261,7 @@ class Client:
             self.on_sync(f"{node.name}, whose result's shape depends on the data")
         self.graph.add(node)
         needed = self.graph.needed_for(node.inputs()) | {node.id}
-        plan, _, replies = self._execute(needed, fetch=[], dynamic={node.id})
+        plan, _, replies = self._execute(needed, fetch=[], dynamic={node.id}, wait=True)
         node.meta["location"] = plan.placement[node.id]
         for reply in replies.values():
             for _, kind, metas, pyvals in reply.get("dynamic", ()):
@@ -259,11 +270,12 @@ class Client:
 
     def fetch(self, vid: int) -> torch.Tensor:
         self.check_open()
-        if vid in self.prefetched:
-            return self.prefetched[vid].clone()
         if self.on_sync is not None:
             self.on_sync("reading a remote value (.item(), bool(), .tolist(), .get(), if p:)")
-        plan, _, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid])
+        self.settle()
+        if vid in self.prefetched:
+            return self.prefetched[vid].clone()
+        plan, _, replies = self._execute(self.graph.needed_for([vid]), fetch=[vid], wait=True)
         for reply in replies.values():
             for _, tensor in reply.get("returns", ()):
                 return tensor
@@ -272,12 +284,13 @@ class Client:
     def compute(self, pointers: list[RemoteTensor]) -> None:
         self.execute([p._vid for p in pointers])
 
-    def execute(self, vids: list[int]) -> None:
-        """Run what these values need; they stay on the workers."""
+    def execute(self, vids: list[int], wait: bool = False) -> None:
+        """Run what these values need; they stay on the workers. Returns once the run is
+        sent (unless `wait`): a failure is raised at the next sync point (`settle`)."""
         self.check_open()
         if self.on_sync is not None:
             self.on_sync("running pointers now (p.compute(), gg.compute, an op outside trace)")
-        self._execute(self.graph.needed_for(vids), fetch=[])
+        self._execute(self.graph.needed_for(vids), fetch=[], wait=wait)
 
     def compute_all(self) -> None:
         """Run every pending node."""
@@ -300,9 +313,18 @@ class Client:
     # --- running ---------------------------------------------------------------------------
 
     def _execute(
-        self, needed: set[int], fetch: list[int], dynamic: set[int] = frozenset()
+        self,
+        needed: set[int],
+        fetch: list[int],
+        dynamic: set[int] = frozenset(),
+        wait: bool = False,
     ) -> RunResult:
+        """Run `needed`; with `wait` (or a fetch, or a data-dependent op) settle every run in
+        flight first and wait for this one's replies, else return once it is sent."""
+        wait = wait or bool(fetch) or bool(dynamic)
         with self._lock:
+            if wait:
+                self.settle()
             for vid in fetch:
                 if vid in self.failed:
                     raise self.failed[vid]
@@ -336,11 +358,34 @@ class Client:
             # (a data-dependent op's plan is made anew each run: its answer times are
             # learned under what it runs, not its fresh id)
             learn_as = ("data-dependent", hash(key)) if dynamic else None
-            try:
-                replies = self._run_plan(plan, slots, run_params(nodes), learn_as=learn_as)
-            except (RemoteError, WorkerLost) as e:
-                self._forget_run(nodes, slots, keep, e)
-                raise
+            if not wait:
+                frees_on_error = [
+                    (values[v].location, v)
+                    for v in slots
+                    if v not in keep and v in values and values[v].location is not None
+                ]
+                outputs = [v for n in nodes for v in n.outputs if v in keep]
+                try:
+                    self._dispatch(plan, slots, run_params(nodes), nodes=nodes,
+                                   outputs=outputs, frees_on_error=frees_on_error)  # fmt: skip
+                except (RemoteError, WorkerLost) as e:  # (sending it failed)
+                    self._forget_run(nodes, slots, keep, e)
+                    raise
+                replies = {}
+            else:
+                try:
+                    replies = self._run_plan(plan, slots, run_params(nodes), learn_as=learn_as)
+                except (RemoteError, WorkerLost) as e:
+                    self._forget_run(nodes, slots, keep, e)
+                    raise
+                except KeyboardInterrupt:  # cancelled: it may have run in part
+                    self._forget_run(
+                        nodes,
+                        slots,
+                        keep,
+                        GridError("this value's run was cancelled (interrupted); compute it again"),
+                    )
+                    raise
             for node, w in zip(nodes, plan.node_workers):
                 for vid in node.outputs:
                     value = values.get(vid)
@@ -370,21 +415,42 @@ class Client:
         >>> plan, slots, replies = client.run_pending(fetch=[loss._vid])
         """
         with self._lock:
-            return self._execute(set(self.graph.pending), fetch=fetch)
+            return self._execute(set(self.graph.pending), fetch=fetch, wait=True)
 
     def replay(
-        self, plan: Plan, slots: list[int], params: list[Any], where: dict[int, str]
-    ) -> dict[str, dict]:
-        """Run a plan recorded by `run_pending` again over new values: `slots` names the
+        self,
+        plan: Plan,
+        slots: list[int],
+        params: list[Any],
+        where: dict[int, str],
+        outputs: list[int],
+        frees_on_error: list[tuple[str, int]],
+    ) -> None:
+        """Send a plan recorded by `run_pending` again over new values: `slots` names the
         value of each slot, `params` the run's parameters, `where` the user's file:line by
-        slot (for errors). Each worker's reply; raises as a run does.
+        slot (for errors). Returns once it is sent; its replies bring back the small results
+        it returns (`prefetched`); if it fails, the values `outputs` names are failed ones,
+        `frees_on_error` ((worker, value id)) are freed, and the next sync point raises.
 
-        >>> replies = client.replay(plan, new_slots, params, where)
+        >>> client.replay(plan, new_slots, params, where, outputs, frees_on_error)
         """
         with self._lock:
-            replies = self._run_plan(plan, slots, params, where)
-            self.last_plan, self.last_slots = plan, slots
-            return replies
+            self._dispatch(plan, slots, params, where=where, outputs=outputs,
+                           frees_on_error=frees_on_error, prefetch=True)  # fmt: skip
+
+    def settle(self) -> None:
+        """Take the replies of every run in flight, oldest first: the sync point. Raises
+        the first failure among them (or one kept from a run settled earlier)."""
+        with self._lock:
+            try:
+                while self.in_flight.runs:
+                    self._settle_next()
+            finally:
+                self._dead.extend(self._released_after_runs)
+                self._released_after_runs.clear()
+            failure, self.in_flight.failure = self.in_flight.failure, None
+            if failure is not None:
+                raise failure
 
     def _move_storages(self, moves: dict[int, str]) -> None:
         """Move stored tensors (storage -> worker) straight from worker to worker, keeping
@@ -465,21 +531,39 @@ class Client:
         where: dict[int, str] | None = None,
         learn_as: Hashable | None = None,
     ) -> dict[str, dict]:
-        """Send each worker its part (the program itself only the first time) and wait.
-        `where`: the user's file:line by slot, for errors of runs without pending nodes.
-        `learn_as`: for a plan run once and not kept, what its answer times are learned
-        under (exec/resend.py; by default its id); nor is it noted as sent, since no run
-        names it again.
+        """Send each worker its part (the program itself only the first time) and wait for
+        the replies, once every run sent before it settled. `where`: the user's file:line by
+        slot, for errors of runs without pending nodes. `learn_as`: for a plan run once and
+        not kept, what its answer times are learned under (exec/resend.py; by default its
+        id); nor is it noted as sent, since no run names it again."""
+        self.settle()
+        run = self._dispatch(plan, slots, params, where=where, learn_as=learn_as)
+        try:
+            return self._wait_run(run)
+        except KeyboardInterrupt:
+            self.cancel()
+            self.requests.abandon(run.rids)
+            raise
+        finally:
+            self.in_flight.pop()
+
+    def _dispatch(self, plan: Plan, slots: list[int], params: list[Any], **run: Any) -> Run:
+        """Send each worker its part of `plan` (the program itself only the first time) and
+        note the run as in flight; first settle the oldest runs while a worker it goes to
+        has `max_in_flight` (the failure of one is kept for the next sync point).
 
         Each message names the identity of every worker that worker's part sends to or
         receives from, as this client knows them: workers send and take transfers between
-        those identities only, whatever their own view of the grid says."""
-        run = next(self._runs)
+        those identities only, whatever their own view of the grid says. Runs go in order
+        (`in_order`): a worker serves them as sent, whatever order they arrive in."""
+        while self.in_flight.full(plan.programs):
+            self._settle_next()
+        number = next(self._runs)
         msgs = {}
         for worker in plan.programs:
             msg = {
                 "kind": "run",
-                "run": run,
+                "run": number,
                 "plan": plan.id,
                 "slots": slots,
                 "params": [[i, params[i]] for i in plan.params_of.get(worker, ())],
@@ -489,12 +573,83 @@ class Client:
             if plan.id not in self._programs_sent[worker]:
                 msg["program"] = plan.wire[worker]
             msgs[worker] = msg
-        rids = {w: self.requests.send(w, msg) for w, msg in msgs.items()}
+        rids = {w: self.requests.send(w, msg, in_order=True) for w, msg in msgs.items()}
+        if run.get("learn_as") is None:
+            for w in msgs:  # (a later run names it only: the worker serves them in order)
+                self._programs_sent[w].add(plan.id)
+        self.last_plan, self.last_slots = plan, slots
+        sent = Run(number, plan, slots, rids, msgs, **{"learn_as": None, **run},
+                   sent_at=time.monotonic())  # fmt: skip
+        self.in_flight.add(sent)
+        return sent
+
+    def _settle_next(self) -> None:
+        """Take the replies of the oldest run in flight. If it failed, its values are failed
+        ones and its failure is kept for the next sync point (the first one only: a later
+        run's is most likely its consequence). Interrupted, every run in flight is
+        cancelled (`cancel`) and KeyboardInterrupt goes on."""
+        run = self.in_flight.runs[0]
         try:
-            replies = self.requests.wait(plan.id if learn_as is None else learn_as, rids)
+            replies = self._wait_run(run)
+        except (RemoteError, WorkerLost, GridError) as e:  # (GridError: it timed out)
+            self.in_flight.pop()
+            if self.in_flight.failure is None:
+                self.in_flight.failure = e
+            self._failed_run(run, self.in_flight.failure)
+            return
+        except KeyboardInterrupt:
+            self.cancel()
+            self._drop_in_flight()
+            raise
+        self.in_flight.pop()
+        if run.prefetch and run.number == self.in_flight.latest:  # (else a later run may
+            for reply in replies.values():  # have written to what it returned)
+                for slot, tensor in reply.get("returns", ()):
+                    self.prefetched[run.slots[slot]] = tensor
+
+    def _failed_run(self, run: Run, error: BaseException) -> None:
+        """What a run that failed leaves: its values failed ones, its inputs freed."""
+        for vid in run.outputs:
+            if vid in self.graph.values:
+                self.failed[vid] = error
+        for worker, vid in run.frees_on_error:
+            self.free_later(worker, vid)
+
+    def cancel(self) -> None:
+        """Abort this client's runs on every worker: a run waiting or running stops before
+        its next op, one queued is answered without running. Safe from any thread; the
+        runs' waits then end with their errors (or `_drop_in_flight` gives them up)."""
+        latest = self.in_flight.latest
+        for w in self.workers:
+            abort = {"kind": "abort", "upto": latest, "session": self.session}
+            try:
+                self.transport.publish(worker_topic(w), wire.encode(abort), False)
+            except Exception:  # (the transport is closing): nothing runs there for us
+                pass
+
+    def _drop_in_flight(self) -> None:
+        """Give up every run in flight without waiting (interrupted): its values are failed
+        ones, its requests acknowledged, and the values its pointers released are freed."""
+        cancelled = GridError(
+            "this value's run was cancelled (interrupted) before it finished; compute it again"
+        )
+        while self.in_flight.runs:
+            run = self.in_flight.pop()
+            self.requests.abandon(run.rids)
+            self._failed_run(run, cancelled)
+        self._dead.extend(self._released_after_runs)
+        self._released_after_runs.clear()
+
+    def _wait_run(self, run: Run) -> dict[str, dict]:
+        """The replies to `run`; raises RemoteError naming the op, worker and line of the
+        first failure (or WorkerLost)."""
+        plan, msgs, rids = run.plan, run.msgs, run.rids
+        try:
+            key = plan.id if run.learn_as is None else run.learn_as
+            replies = self.requests.wait(key, rids, run.sent_at)
             # A worker that dropped the program (restart, or its cache is full) gets it again.
             again = {
-                w: self.requests.send(w, {**msgs[w], "program": plan.wire[w]})
+                w: self.requests.send(w, {**msgs[w], "program": plan.wire[w]}, in_order=True)
                 for w, reply in replies.items()
                 if not reply.get("ok") and reply["error"].get("code") == UNKNOWN_PLAN
             }
@@ -504,16 +659,16 @@ class Client:
                 if self.alive(w):
                     self.transport.publish(
                         worker_topic(w),
-                        wire.encode({"kind": "abort", "run": run, "session": self.session}),
+                        wire.encode({"kind": "abort", "run": run.number, "session": self.session}),
                     )
             raise
         for w, reply in replies.items():
-            if reply.get("ok") and learn_as is None:
-                self._programs_sent[w].add(plan.id)
+            if not reply.get("ok") and run.learn_as is None:
+                self._programs_sent[w].discard(plan.id)
         errors = [r["error"] for r in replies.values() if not r.get("ok")]
         if errors:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
-            raise self._remote_error(root, slots, where)
+            raise self._remote_error(root, run.slots, run.where_of())
         return replies
 
     def identity_of(self, worker: str) -> str:
@@ -562,6 +717,8 @@ class Client:
         """Send one request and wait for its reply; raises RemoteError on an error reply."""
         if self.on_sync is not None:
             self.on_sync(f"a {msg['kind']!r} request to {worker} (gg.send, manual_seed, stats)")
+        if msg["kind"] != "put":  # (a put names only new values: it need not wait for runs)
+            self.settle()
         return self.requests.call(worker, msg, counted)
 
     def _values_on(self, worker: str) -> list[str]:
@@ -584,6 +741,11 @@ class Client:
         """Free every tensor of this client on every worker."""
         if self.closed:
             return
+        failure = None
+        try:
+            self.settle()
+        except (RemoteError, WorkerLost, GridError) as e:  # raised once the byes are sent
+            failure = e
         for w in self.workers:
             try:
                 self.request(w, {"kind": "bye"})
@@ -592,6 +754,8 @@ class Client:
         self.closed = True
         self.requests.close()  # (the byes freed everything)
         self.transport.close()
+        if failure is not None:
+            raise failure
 
 
 def _dense(meta: TensorMeta) -> bool:

@@ -661,16 +661,15 @@ class _Replay:
                     params[k] = -number if how == "negated" else number
             for k, src, _ in self.sources:
                 params[k] = as_sent(src)
-            try:
-                replies = client.replay(rec.plan, slots, params, rec.where)
+            outputs = [slots[s] for s, _, _, _ in rec.outputs if s in rec.kept]
+            frees_on_error = [(location, slots[s]) for s, _, (_, location, _, _) in rec.inputs
+                              if s not in rec.kept and location is not None]  # fmt: skip
+            try:  # (returns once sent: its small results come back with its replies)
+                client.replay(rec.plan, slots, params, rec.where, outputs, frees_on_error)
             except (RemoteError, WorkerLost) as e:
                 self._settle(flat, slots, storage_at, e)
                 raise
-            result = self._settle(flat, slots, storage_at, None)
-            for reply in replies.values():
-                for slot, tensor in reply.get("returns", ()):
-                    client.prefetched[slots[slot]] = tensor
-            return result
+            return self._settle(flat, slots, storage_at, None)
 
     def _settle(self, flat: list, slots: list[int], storage_at: dict, error: Exception | None):
         """Leave the client as the recorded call did: values known, pointers rebound and

@@ -10,12 +10,25 @@ State (under `_cv`: a reply on the transport's thread may change it):
                    payload to resend, the ids it frees), until its wait ends
     replies        request id -> its reply, until its waiter takes it
     waiting        the request ids each waiting call needs
+    unacked        per worker, the numbers of the requests sent it whose replies the client
+                   still needs (in the order sent, so the first is the least)
+    acked above    per worker, numbers above the first unacked one whose replies it no
+                   longer needs (received, or given up)
+
+Acknowledgements: each request tells its worker which replies the client no longer needs
+(`ack`, protocol.py): every id under the least unacked one sent to that worker, and up to
+MAX_ACK_IDS of those above. The worker keeps every other reply, so a resent request is
+answered from it however many are in flight, and answered "already served" only once its
+reply was acknowledged. A request counts as no longer needed once its wait ended (its reply
+taken, or given up on: timed out, its worker lost, interrupted), a batch of frees once its
+reply came or its ids went back into `frees`.
 
 Policy: a request without its reply is sent again after `retry_after` s, then twice as long
 each time (at most 8 times as long), or first sooner where answers to the same kind of
 request came sooner (exec/resend.py); workers answer a repeated request id from their reply
 cache. A reply counts only from the identity its request was sealed for; a waiter wakes once
-all of its replies are in. A worker that `alive` says is gone fails its waits at once.
+all of its replies are in. A worker that `alive` says is gone fails its waits at once, unless
+it replied within HEARD_ALIVE s (a reply is a sign of life too).
 
 The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
 to free (`free`, `free_later`); this knows workers by name and value ids as plain numbers,
@@ -24,6 +37,7 @@ nothing of plans or pointers, and asks the client only to describe what a lost w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -33,11 +47,14 @@ from dataclasses import dataclass
 
 from gridgraph.errors import GridError, RemoteError, SessionLost, WorkerLost
 from gridgraph.exec import resend, wire
-from gridgraph.exec.protocol import SESSION_GONE, worker_topic
-from gridgraph.exec.transport import Transport
+from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_GONE, worker_topic
+from gridgraph.exec.transport import NotSent, Transport
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
+# A worker that replied within this many seconds is alive, whatever `alive` says (on IPFS,
+# heartbeats: as long as ipfs/discovery.py's DEAD_AFTER).
+HEARD_ALIVE = 5.0
 
 
 @dataclass(slots=True)
@@ -92,7 +109,12 @@ class Requests:
         # Request ids: unique within the session (a worker keeps its records per session),
         # and cheaper than a uuid4 per request, whose os.urandom call also let another
         # thread take the interpreter lock in the middle of a send.
-        self._request_ids = map("{:x}".format, itertools.count(1))
+        self._request_numbers = itertools.count(1)  # (ids are these in hex, under _cv)
+        self._last_number = 0
+        self._unacked: dict[str, dict[int, None]] = {w: {} for w in workers}
+        self._acked_above: dict[str, set[int]] = {w: set() for w in workers}
+        self._last_in_order: dict[str, int] = {}  # per worker, the latest run's number
+        self._heard: dict[str | None, float] = {}  # identity -> when it last replied
         self._replies: dict[str, dict] = {}
         # request id -> (the identity it is sealed for and only it may answer, payload to
         # resend, the ids it frees)
@@ -127,6 +149,8 @@ class Requests:
         """Forget the batches of frees awaiting replies (the session ended: its worker freed
         all)."""
         with self._cv:
+            for rid, batch in self._free_batches.items():
+                self._done(batch.worker, rid)
             self._free_batches.clear()
 
     # --- requests --------------------------------------------------------------------------
@@ -142,26 +166,52 @@ class Requests:
             raise RemoteError(worker, msg["kind"], str(error.get("message", error)))
         return reply
 
-    def send(self, worker: str, msg: dict, counted: bool = True, awaited: bool = True) -> str:
+    def send(
+        self,
+        worker: str,
+        msg: dict,
+        counted: bool = True,
+        awaited: bool = True,
+        in_order: bool = False,
+    ) -> str:
         """Send a request; its id. One not `awaited` (a batch of frees) is not kept for
         resending (kept, each stayed for ever, with its reply): its reply only tells whether
-        its ids were freed (`_free_batches`)."""
-        rid = next(self._request_ids)
+        its ids were freed (`_free_batches`). One `in_order` (a run) names the one sent
+        `in_order` to the same worker before it (`after`): the worker serves them in the
+        order sent."""
         refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
         with self._cv:  # (another thread's reply may put frees back meanwhile)
             if refile:
                 self._refile_frees(worker)
             frees, self.frees[worker] = self.frees[worker], []
-        msg = {**msg, "id": rid, "session": self.session, "free": frees}
+            number = self._last_number = next(self._request_numbers)
+            self._unacked[worker][number] = None  # (numbers go in in order, under _cv)
+            ack = self._ack(worker)
+            if in_order:
+                msg = {**msg, "after": self._last_in_order.get(worker, 0)}
+                self._last_in_order[worker] = number
+        rid = f"{number:x}"
+        msg = {**msg, "id": rid, "session": self.session, "free": frees, "ack": ack}
         payload = wire.encode(msg)
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
-        if awaited:
-            self._outstanding[rid] = (identity, payload, frees)
-        elif frees:
-            with self._cv:  # (before it is sent: on a local grid the reply may come first)
+        with self._cv:  # (before it is sent: on a local grid the reply may come first)
+            if awaited:
+                self._outstanding[rid] = (identity, payload, frees)
+            elif frees:
                 self._free_batches[rid] = _FreeBatch(worker, identity, frees, time.monotonic())
-        self.transport.publish(topic, payload, counted, identity)
+            else:
+                self._done(worker, rid)
+        try:
+            self.transport.publish(topic, payload, counted, identity)
+        except NotSent:  # as a message lost: its wait sends it again (a batch of frees:
+            pass  # its ids go again once it is long unanswered)
+        except BaseException:  # (the transport is closed): nothing will wait for it
+            with self._cv:
+                if self._outstanding.pop(rid, None) or self._free_batches.pop(rid, None):
+                    self.frees[worker].extend(frees)
+                    self._done(worker, rid)
+            raise
         return rid
 
     def _refile_frees(self, worker: str) -> None:
@@ -177,30 +227,55 @@ class Requests:
             if batch.worker == worker and (batch.refused or now - batch.sent_at > self.retry_after):
                 del self._free_batches[rid]
                 self.frees[worker].extend(batch.ids)
+                self._done(worker, rid)
+
+    def _ack(self, worker: str) -> dict:
+        """(under _cv) What a request to `worker` acknowledges (protocol.py): the ids under
+        the least one whose reply is still needed, and up to MAX_ACK_IDS above it."""
+        unacked = self._unacked[worker]
+        below = next(iter(unacked)) if unacked else self._last_number + 1
+        above = self._acked_above[worker]
+        if any(n < below for n in above):
+            above -= {n for n in above if n < below}
+        return {"below": below, "ids": sorted(above)[:MAX_ACK_IDS]}
+
+    def _done(self, worker: str, rid: str) -> None:
+        """(under _cv) The client no longer needs request `rid`'s reply from `worker`."""
+        number = int(rid, 16)
+        if self._unacked[worker].pop(number, 1) is None:
+            self._acked_above[worker].add(number)
 
     def _sent(self, rid: str) -> bytes:
         """The payload of outstanding request `rid`, as sent."""
         return self._outstanding[rid][1]
 
-    def wait(self, key: Hashable, rids: dict[str, str]) -> dict[str, dict]:
+    def wait(
+        self, key: Hashable, rids: dict[str, str], sent_at: float | None = None
+    ) -> dict[str, dict]:
         """`wait_all(rids)`, where `key` names what the requests are (a plan; a kind of
         request to a worker): a small request is first sent again after what the earlier
-        answers to `key` took, if that is sooner than retry_after (exec/resend.py)."""
+        answers to `key` took, if that is sooner than retry_after (exec/resend.py). Times
+        count from `sent_at` (time.monotonic() when they were sent; by default now): a run
+        not waited for at once is not asked again as if just sent."""
         learned = self._answer_times.wait(key, self.retry_after)
         early = {w: learned for w, rid in rids.items() if resend.may_ask_early(self._sent(rid))}
-        start = time.monotonic()
-        replies = self.wait_all(rids, early)
+        start = time.monotonic() if sent_at is None else sent_at
+        replies = self.wait_all(rids, early, start)
         self._answer_times.observe(key, time.monotonic() - start)
         return replies
 
     def wait_all(
-        self, rids: dict[str, str], early: dict[str, float] | None = None
+        self,
+        rids: dict[str, str],
+        early: dict[str, float] | None = None,
+        sent_at: float | None = None,
     ) -> dict[str, dict]:
         """The replies to several requests (worker -> request id), resending each while its
         reply does not come: after `retry_after` s, then after twice as long each time, but
-        first after `early[worker]` s where given (exec/resend.py). All at once: a worker may
-        wait on another's lost request."""
-        start = time.monotonic()
+        first after `early[worker]` s where given (exec/resend.py), counted from `sent_at`
+        (by default now). All at once: a worker may wait on another's lost request."""
+        waited = time.monotonic()  # (the timeout counts from here: a run queued behind
+        start = waited if sent_at is None else sent_at  # others is not late for that)
         retry = {w: self.retry_after for w in rids}
         due = {w: start + (early or {}).get(w, self.retry_after) for w in rids}
         needed = set(rids.values())
@@ -216,15 +291,16 @@ class Requests:
                 # Kubo), and every reply, to any waiting thread, is taken under it.
                 now = time.monotonic()
                 for w in waiting:
-                    if not self.alive(w):
+                    if not self.alive(w) and not self._heard_lately(rids[w], now):
                         raise WorkerLost(w, self.lost_values(w))
                     if now >= due[w]:
                         identity, payload, _ = self._outstanding[rids[w]]
                         # ipfs: recovery traffic is not counted: stats do not depend on losses
-                        self.transport.publish(worker_topic(w), payload, False, identity)
+                        with contextlib.suppress(NotSent):  # (lost again: sent again later)
+                            self.transport.publish(worker_topic(w), payload, False, identity)
                         retry[w] = min(2 * retry[w], 8 * self.retry_after)  # lost, or slow
                         due[w] = now + retry[w]
-                if now - start > self.timeout:
+                if now - waited > self.timeout:
                     raise GridError(f"worker {waiting[0]!r} did not answer in {self.timeout} s")
                 with self._cv:  # (a reply that came meanwhile is not waited for)
                     waiting = [w for w, rid in rids.items() if rid not in self._replies]
@@ -238,9 +314,27 @@ class Requests:
         finally:
             with self._cv:
                 self._waiting.remove(needed)
-                for rid in rids.values():
+                for w, rid in rids.items():
                     self._outstanding.pop(rid, None)
                     self._replies.pop(rid, None)
+                    self._done(w, rid)
+
+    def abandon(self, rids: dict[str, str]) -> None:
+        """Give up on these requests (worker -> id) without waiting (a cancel): their frees
+        go with the next request to their worker, their replies are acknowledged."""
+        with self._cv:
+            self._put_frees_back(rids)
+            for w, rid in rids.items():
+                if self._outstanding.pop(rid, None) is not None:
+                    self._done(w, rid)
+                self._replies.pop(rid, None)
+
+    def _heard_lately(self, rid: str, now: float) -> bool:
+        """Whether the worker request `rid` went to answered any request within HEARD_ALIVE
+        s: a worker that replies is alive, whatever its heartbeats (on Kubo under load,
+        announcements are lost with the rest, and a live worker was taken for lost)."""
+        identity = self._outstanding[rid][0]
+        return now - self._heard.get(identity, -math.inf) < HEARD_ALIVE
 
     def _take_replies(self, rids: dict[str, str]) -> dict[str, dict]:
         """The replies to `rids`, all in (under _cv). An error names the worker it came
@@ -288,10 +382,12 @@ class Requests:
                         batch.refused = True  # its ids go with the next request
                     else:
                         self._free_batches.pop(rid, None)
+                        self._done(batch.worker, rid)
                 return
             outstanding = self._outstanding.get(rid)
             if outstanding is None or sender != outstanding[0]:
                 return  # not awaited, or not from the worker the request went to
+            self._heard[sender] = time.monotonic()
             self._replies[rid] = msg
             if any(needed <= self._replies.keys() for needed in self._waiting):
                 self._cv.notify_all()

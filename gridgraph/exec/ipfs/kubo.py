@@ -38,6 +38,8 @@ from typing import Any
 
 from ipfshttpclient.http_common import multiaddr_to_url_data
 
+from gridgraph.exec.transport import NotSent
+
 MAX_BLOCK_SIZE = 1 << 20
 PUBLISH_TRIES = 16  # a publish Kubo refused as "validation ignored" is sent again (pubsub_pub)
 API_BASE = "api/v0"
@@ -45,6 +47,10 @@ API_BASE = "api/v0"
 
 class KuboError(RuntimeError):
     """A Kubo RPC call failed (daemon down, bad argument, timeout...)."""
+
+
+class PublishRefused(KuboError, NotSent):
+    """A publish Kubo refused as "validation ignored" every time it was tried: as lost."""
 
 
 def mb_encode(data: bytes) -> str:
@@ -238,8 +244,10 @@ class Kubo:
                 self._call("/pubsub/pub", [mb_encode(topic.encode())], data=data, decoder="none")
                 return
             except KuboError as e:
-                if "validation ignored" not in str(e) or attempt == PUBLISH_TRIES - 1:
+                if "validation ignored" not in str(e):
                     raise
+                if attempt == PUBLISH_TRIES - 1:  # (the caller's resend sends it again)
+                    raise PublishRefused(str(e)) from e
                 time.sleep(0.001 * 2 ** min(attempt, 6) * random.uniform(0.5, 1.5))
 
     def pubsub_sub(self, topic: str) -> Subscription:

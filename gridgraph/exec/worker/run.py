@@ -349,10 +349,15 @@ class Run:
         returns, dynamic = [], []
         ahead: dict[int, tuple[int, float]] = {}  # footprints worked out after the last recv
         deadline = self.deadline
+        session = self.s
         for i, step in enumerate(program.steps):
             try:
                 if time.monotonic() > deadline:
                     raise TimeLimitExceeded(limits.max_request_seconds)
+                if session.aborted_upto and self.run <= session.aborted_upto:  # cancelled:
+                    raise UpstreamFailed(
+                        f"run {self.run} was cancelled by its client"
+                    )  # (between ops)
                 kind = type(step)
                 if kind is Call:
                     report = self.call(program.calls[i], checked.get(i), ahead.get(i))

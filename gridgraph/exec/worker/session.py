@@ -6,8 +6,12 @@ reset any of it:
 
     work       what its programs run on: tensors, prepared programs, random stream
                (workspace.py; with isolation, the one in its executor process counts)
-    records    request id -> its reply once sent: a request id runs at most once. Replies are
-               kept for the REPLIES_KEPT latest requests, bare ids for the RECORDS_KEPT latest
+    records    request id -> its reply once sent: a request id runs at most once. A reply is
+               kept until the client acknowledges it (protocol.py, `ack` in each request),
+               within REPLY_BYTES_KEPT a session (past it the oldest go, never the latest);
+               bare ids for the RECORDS_KEPT latest, and none under the watermark
+               `acked_below`: a request under it that has no record is an old copy, refused
+               as already served
     reply_topic  where its client hears replies (protocol.client_topic of the sender)
     traffic    messages and bytes the worker sent for it
     sent       transfers it sent, kept for resending (ipfs) to the identity they went to
@@ -15,6 +19,9 @@ reset any of it:
                identity, as received (decoded only when a run takes one); charged to the
                session when its runs named the sender (`named`), else to the sender
     queue      its requests waiting to run, in arrival order (`queued_bytes` of them)
+    held       runs that came before the run their client sent this worker ahead of them
+               (`after`, protocol.py): held, counted in `queued_bytes`, until that one is
+               recorded here or acknowledged, so runs are served in the order they were sent
 
 All of it counts against the session's memory limit (`memory()`); what the worker charged its
 peer in its memory budget (budget.py: records, queue, inbox, sent) goes back through `release`.
@@ -24,6 +31,7 @@ a session ended. How a request is served: run.py.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -32,7 +40,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any
 
-from gridgraph.exec.protocol import SESSION_LOST, is_name
+from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_LOST, is_name, request_number
 from gridgraph.exec.safety.budget import QUEUED_BYTES
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
@@ -44,7 +52,10 @@ from gridgraph.exec.worker.workspace import Workspace
 log = logging.getLogger("gridgraph.worker")
 
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
-REPLIES_KEPT = 16  # latest replies kept per session, to answer a resent request again
+# Bytes of unacknowledged replies kept per session, to answer a resent request again: past
+# it the oldest go (a resend of one then says so), never the latest. (A client keeps its
+# replies far under it: it bounds the runs it has in flight.)
+REPLY_BYTES_KEPT = 64 * 2**20
 RECORDS_KEPT = 100_000  # latest request ids remembered per session (~RECORD_BYTES each)
 TRANSFERS_KEPT = 1024  # ipfs: transfers kept per session for resending, and received ids
 # Ended sessions remembered (EndedSessions): per peer, and peers, the latest ones.
@@ -66,15 +77,25 @@ class ExecutorLost(Exception):
     code = SESSION_LOST
 
 
+# Why a record no longer holds its reply (`Record.dropped`).
+ACKNOWLEDGED = "its client acknowledged it"
+OVER_BYTES = (
+    f"the session's unacknowledged replies held over {REPLY_BYTES_KEPT // 2**20} MiB here "
+    f"(REPLY_BYTES_KEPT), and it was the oldest"
+)
+FORGOTTEN = "it was among the oldest of over RECORDS_KEPT requests"
+
+
 class Record:
     """What a session remembers of one request: its reply once sent, and when it went out."""
 
-    __slots__ = ("reply", "sent_at", "resent")
+    __slots__ = ("reply", "sent_at", "resent", "dropped")
 
     def __init__(self) -> None:
         self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
         self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
         self.resent = 0  # times the reply was sent again (worker.RESENDS at most)
+        self.dropped: str | None = None  # why the reply is no longer kept, once it is not
 
 
 class Session:
@@ -105,9 +126,13 @@ class Session:
         self.release: Callable[[int], None] = lambda nbytes: None
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
+        self.aborted_upto = 0  # and every run numbered up to this, if positive (a cancel)
         # (request, or None until served if it came while others waited; arrival; payload)
         self.queue: deque[tuple[dict | None, float, bytes]] = deque()
-        self.queued_bytes = 0  # of the payloads in `queue`
+        self.queued_bytes = 0  # of the payloads in `queue` and `held`
+        # the request id number of the run each waits for -> [(its id, its queue entry)]
+        self.held: dict[int, list[tuple[str, tuple[dict | None, float, bytes]]]] = {}
+        self._held_numbers: set[int] = set()  # the id numbers of the runs held
         self.busy = False  # a request is queued or running
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
@@ -118,7 +143,12 @@ class Session:
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self.seeded = False  # a seed request came: its random stream is its own (shares.py)
         self._reply_bytes = 0
-        self._with_reply: deque[Record] = deque()  # records holding a reply, oldest first
+        # records that got a reply, oldest first (some may have let it go since: skipped)
+        self._with_reply: deque[Record] = deque()
+        self._holding = 0  # records holding a reply
+        # Acknowledged: every request id numbered under this (protocol.request_number)
+        self.acked_below = 0
+        self._numbered: list[tuple[int, str]] = []  # heap: (number, id) of numbered records
         self._inbox_bytes = 0
         self._sent_bytes = 0
 
@@ -141,24 +171,107 @@ class Session:
     def record(self, rid: str) -> Record:
         """A new record for request `rid`, dropping the oldest ones past the caps."""
         rec = self.records[rid] = Record()
+        number = request_number(rid)
+        if number is not None:
+            heapq.heappush(self._numbered, (number, rid))
         while len(self.records) > RECORDS_KEPT:
             _, old = self.records.popitem(last=False)
             self.release(RECORD_BYTES)
-            self._reply_bytes -= len(old.reply or b"")
-            old.reply = None
+            self._drop_reply(old, FORGOTTEN)
+        if len(self._numbered) > 2 * RECORDS_KEPT:  # (ids of records dropped above)
+            self._numbered = [(n, r) for n, r in self._numbered if r in self.records]
+            heapq.heapify(self._numbered)
         return rec
 
+    def stale(self, rid: str) -> bool:
+        """Whether `rid` is under the acknowledged watermark with no record: its reply was
+        acknowledged (or its client gave up on it), so this is an old copy."""
+        number = request_number(rid)
+        return number is not None and number < self.acked_below and rid not in self.records
+
+    def acknowledge(self, ack: Any) -> None:
+        """Let go of the replies `ack` (a request's, protocol.py) says its client no longer
+        needs: the records under its watermark go whole (the watermark refuses their
+        copies), those listed keep their bare id. Whatever else a request asks, this only
+        lets go of what its own client was keeping here; a malformed `ack` is ignored."""
+        if not isinstance(ack, dict):
+            return
+        below, ids = ack.get("below"), ack.get("ids")
+        if type(below) is int and self.acked_below < below <= 2**64:
+            self.acked_below = below
+            while self._numbered and self._numbered[0][0] < below:
+                _, rid = heapq.heappop(self._numbered)
+                rec = self.records.pop(rid, None)
+                if rec is not None:
+                    self.release(RECORD_BYTES)
+                    self._drop_reply(rec, ACKNOWLEDGED)
+        if isinstance(ids, list) and len(ids) <= MAX_ACK_IDS:
+            for number in ids:
+                if type(number) is int and 0 < number <= 2**64:
+                    rec = self.records.get(format(number, "x"))
+                    if rec is not None:
+                        self._drop_reply(rec, ACKNOWLEDGED)
+
     def replied(self, rec: Record, reply: bytes) -> None:
-        """Keep `reply` for resends; only the REPLIES_KEPT latest replies stay (a queue of
-        the records holding one, so this costs the same after a million requests)."""
+        """Keep `reply` for resends until it is acknowledged, within REPLY_BYTES_KEPT: past
+        it the oldest unacknowledged replies go, never this one (a queue of the records
+        that got one, so this costs the same after a million requests)."""
         rec.reply = reply
         self._reply_bytes += len(reply)
+        self._holding += 1
         self._with_reply.append(rec)
-        while len(self._with_reply) > REPLIES_KEPT:
-            old = self._with_reply.popleft()
-            if old.reply is not None:
-                self._reply_bytes -= len(old.reply)
-                old.reply = None
+        while self._reply_bytes > REPLY_BYTES_KEPT and self._with_reply[0] is not rec:
+            self._drop_reply(self._with_reply.popleft(), OVER_BYTES)
+        if len(self._with_reply) > 2 * self._holding + 64:  # most let go of theirs since
+            self._with_reply = deque(r for r in self._with_reply if r.reply is not None)
+
+    def _drop_reply(self, rec: Record, why: str) -> None:
+        if rec.reply is not None:
+            self._reply_bytes -= len(rec.reply)
+            self._holding -= 1
+            rec.reply = None
+            rec.dropped = why
+
+    # --- runs in the order sent ------------------------------------------------------------
+
+    def in_turn(self, after: Any) -> bool:
+        """Whether a run that names `after` (the id number of the run its client sent this
+        worker before it; none, or not a positive int: no order) may be queued now: that
+        run is recorded here (queued, served or refused) or acknowledged."""
+        if type(after) is not int or after <= 0:
+            return True
+        if after < self.acked_below:
+            return True
+        return format(after, "x") in self.records and after not in self._held_numbers
+
+    def hold(self, after: int, rid: str, entry: tuple[dict | None, float, bytes]) -> None:
+        """Hold a run until the one it names (`after`) is queued or acknowledged."""
+        self.held.setdefault(after, []).append((rid, entry))
+        number = request_number(rid)
+        if number is not None:
+            self._held_numbers.add(number)
+
+    def in_turn_now(self, rid: str) -> list[tuple[dict | None, float, bytes]]:
+        """The held runs that may be queued now that request `rid` was: those waiting for it,
+        and for them in turn, and those waiting for a run since acknowledged."""
+        ready, done = [], [rid]
+        for after in sorted(a for a in self.held if a < self.acked_below):
+            done.extend(r for r, _ in self.held[after])
+            ready.extend(e for _, e in self.held.pop(after))
+        while done:
+            number = request_number(done.pop(0))
+            self._held_numbers.discard(number)
+            for r, entry in self.held.pop(number, ()) if number is not None else ():
+                ready.append(entry)
+                done.append(r)
+        return ready
+
+    def take_held(self) -> list[tuple[dict | None, float, bytes]]:
+        """Every held run, no longer held (its session ends or fails its queue)."""
+        held = [entry for waiting in self.held.values() for _, entry in waiting]
+        self.held.clear()
+        self._held_numbers.clear()
+        return held
 
     # --- transfers -------------------------------------------------------------------------
 
@@ -253,14 +366,24 @@ class Session:
             self._inbox_bytes -= len(payload) + TRANSFER_BYTES
             self.release(len(payload) + TRANSFER_BYTES)
 
-    def abort(self, run: Any) -> None:
-        if type(run) is not int:
-            return
+    def abort(self, run: Any, upto: Any = None) -> None:
+        """Its client gave up on run `run`, or on every run numbered up to `upto` (a cancel):
+        a run waiting in a recv fails at once, one running stops before its next op, one
+        queued is answered without running."""
         with self.cv:
-            self.aborted[run] = None
-            while len(self.aborted) > TRANSFERS_KEPT:
-                self.aborted.popitem(last=False)
+            if type(run) is int:
+                self.aborted[run] = None
+                while len(self.aborted) > TRANSFERS_KEPT:
+                    self.aborted.popitem(last=False)
+            if type(upto) is int and upto > self.aborted_upto:
+                self.aborted_upto = upto
             self.cv.notify_all()
+
+    def is_aborted(self, run: Any) -> bool:
+        """Whether its client gave up on run `run` (`abort`)."""
+        if type(run) is not int:
+            return False
+        return run in self.aborted or 0 < self.aborted_upto and run <= self.aborted_upto
 
     # --- end -------------------------------------------------------------------------------
 
@@ -282,9 +405,12 @@ class Session:
                 for sender, payload in got.items():
                     self._uncharge(key, sender, payload)
             self.inbox.clear()
-            self.release(self.queued_bytes + QUEUED_BYTES * len(self.queue))
+            held = sum(len(waiting) for waiting in self.held.values())
+            self.release(self.queued_bytes + QUEUED_BYTES * (len(self.queue) + held))
             self.release(RECORD_BYTES * len(self.records))
             self.queue.clear()
+            self.held.clear()
+            self._held_numbers.clear()
             self.queued_bytes = 0
             self.records.clear()
             self.cv.notify_all()
@@ -292,6 +418,8 @@ class Session:
         if self.executor is not None:
             self.executor.close()
         self._with_reply.clear()
+        self._numbered.clear()
+        self._holding = 0
         self.release(self._sent_bytes)
         self.sent.clear()
         self._reply_bytes = self._inbox_bytes = self._sent_bytes = 0

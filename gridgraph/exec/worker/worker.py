@@ -11,9 +11,10 @@ per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node)
 
 Policy:
 - the transport's thread only decodes, checks and enqueues (`on_message`); each session's
-  requests run in arrival order on a thread of its own (`_drain`), in its executor process
-  when the worker was given an `Isolation` (isolation/executor.py): no client's long program
-  delays another's;
+  requests run in arrival order on a thread of its own (`_drain`), its runs in the order
+  its client sent them (a run that overtook the one before it waits, session.py `held`),
+  in its executor process when the worker was given an `Isolation` (isolation/executor.py):
+  no client's long program delays another's; a cancelled run stops between ops;
 - exactly once: a request id runs at most once per session, and every accepted request gets
   exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
@@ -68,7 +69,13 @@ from gridgraph.exec.worker.run import (
     resend_wait,
     transfer_key,
 )
-from gridgraph.exec.worker.session import EndedSessions, ExecutorLost, RequestError, Session
+from gridgraph.exec.worker.session import (
+    ACKNOWLEDGED,
+    EndedSessions,
+    ExecutorLost,
+    RequestError,
+    Session,
+)
 from gridgraph.exec.worker.shares import make_place
 
 log = logging.getLogger("gridgraph.worker")
@@ -157,7 +164,7 @@ class Worker:
             elif kind == "abort":  # the session's thread may be blocked in a recv
                 session = self._session(_client_key(sender, msg), sender, create=False)
                 if session is not None:
-                    session.abort(msg.get("run"))
+                    session.abort(msg.get("run"), msg.get("upto"))
             else:
                 self._accept_request(sender, msg, payload)
         except Exception:  # a bug must not take the transport's thread down
@@ -168,10 +175,14 @@ class Worker:
 
         Exactly once: a request id runs at most once per session. A resend of a request
         queued or running is ignored; one already answered gets its reply again (RESENDS
-        times at most), within the peer's request rate (past it, the resend is ignored: a
-        refusal would say that a request which ran did not). Every accepted request gets
-        exactly one reply: an error reply if anything fails, including encoding the reply
-        itself, or if its session ends (bye, lease, eviction) before it runs.
+        times at most) while its client has not acknowledged it (session.py keeps it until
+        then); one under the session's acknowledged watermark with no record is an old copy,
+        refused as already served. Each request's `ack` applies whatever becomes of it (it
+        lets go only of what its own client kept). Answers again go within the peer's
+        request rate (past it, the resend is ignored: a refusal would say that a request
+        which ran did not). Every accepted request gets exactly one reply: an error reply if
+        anything fails, including encoding the reply itself, or if its session ends (bye,
+        lease, eviction) before it runs.
 
         A refused request changes nothing, not even its `free` list: frees apply only once
         the request was accepted and served. A request over the peer's rate, the session's
@@ -222,12 +233,17 @@ class Worker:
                 return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
+            stale = rec is None and session.stale(rid)  # (before this request's own ack)
+            session.acknowledge(msg.get("ack"))
             session.reply_topic = reply_to
-            if rec is not None:  # a resend: never run twice
-                lost = rec.reply is not None and arrived > rec.sent_at  # the reply was lost
+            if rec is not None or stale:  # a resend, or an old copy: never run twice
+                lost = rec is not None and rec.reply is not None and arrived > rec.sent_at
                 if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
                     lost = False  # (a reply can be large; each resend is a publish of it)
-                forgotten = not lost and rec.sent_at < arrived
+                    why = f"it was sent {RESENDS} times again already"
+                else:
+                    why = ACKNOWLEDGED if stale else rec.dropped
+                forgotten = not lost and (stale or rec.sent_at < arrived)
                 if (lost or forgotten) and not self._rate.allow(owner):
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
@@ -237,8 +253,7 @@ class Worker:
                     self._outbox.put((reply_to, rec.reply, None))
                 elif forgotten:
                     error = RequestError(
-                        f"request already served; its reply is no longer kept, or was sent "
-                        f"{RESENDS} times again",
+                        f"request already served; its reply is no longer kept here: {why}",
                         ALREADY_SERVED,
                     )
                     self._refuse(reply_to, rid, error)
@@ -275,8 +290,12 @@ class Worker:
             # bytes, and its session is charged the bytes received. One that finds the
             # session idle (a client's next step, sent once its last reply came) stays
             # decoded: decoded once, and served at once.
-            session.queue.append((None if session.busy else msg, arrived, payload))
+            entry = (None if session.busy else msg, arrived, payload)
             session.queued_bytes += len(payload)
+            if msg["kind"] == "run" and not session.in_turn(msg.get("after")):
+                session.hold(msg["after"], rid, (None, arrived, payload))
+                return  # queued once the run sent before it is (protocol.py: `after`)
+            session.queue.extend([entry, *session.in_turn_now(rid)])
             session.busy = True
             if session.serving:  # its thread is running or waiting for more
                 session.cv.notify_all()
@@ -299,7 +318,7 @@ class Worker:
         """Answer every request waiting in `session`'s queue with `error`, none of them run,
         and leave the session ready for its next request."""
         with session.cv:
-            waiting = list(session.queue)
+            waiting = [*session.queue, *session.take_held()]
             session.queue.clear()
             session.queued_bytes = 0
             session.busy = session.serving = False
@@ -534,6 +553,10 @@ class Worker:
             reply = encode_reply(self.name, rid, {"ok": True, "freed": freed})
             self._publish(session, session.reply_topic, reply, counted=True)
             return
+        if kind == "run" and session.is_aborted(msg.get("run")):  # (cancelled while queued)
+            error = RequestError(f"run {msg['run']} was cancelled by its client; nothing of it ran")
+            self._reply(session, rid, self._error_reply(rid, error))
+            return
         session.seeded |= kind == "seed"  # (its executor then holds its random stream)
         peers = msg.get("peers")
         if kind == "run" and isinstance(peers, dict):  # what they send it is its own data
@@ -625,7 +648,7 @@ class Worker:
         remember it ended (`left`), so that one coming later is refused too."""
         with session.cv:
             session.closed = True  # later requests are refused on arrival
-            waiting = list(session.queue)
+            waiting = [*session.queue, *session.take_held()]
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
@@ -700,7 +723,7 @@ class Worker:
         ask = time.monotonic() + resend_wait(ask_after)
         with session.cv:
             while not session.has_transfer(key, peer):
-                if run in session.aborted:
+                if session.is_aborted(run):
                     raise UpstreamFailed(f"run {run} was aborted by its client")
                 if session.closed:
                     raise UpstreamFailed("the session was closed")

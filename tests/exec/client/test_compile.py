@@ -296,10 +296,15 @@ def test_remote_error_during_replay_names_the_line(local_grid):
     for _ in range(3):
         step(torch.tensor([0, 1]).send(w0))
     assert step.replays == 1
-    with pytest.raises(gg.RemoteError) as err:
-        step(torch.tensor([0, 7]).send(w0))
+    bad = step(torch.tensor([0, 7]).send(w0))  # returns once sent: nothing has failed yet
+    later = step(torch.tensor([1, 2]).send(w0))  # a replay too (the same guard)
     assert step.recordings == 2  # the failed call was a replay
+    with pytest.raises(gg.RemoteError) as err:
+        later.get()  # the next sync point raises the failure, naming its line
     assert "test_compile.py" in err.value.where and err.value.op.startswith("aten::index_select")
+    with pytest.raises(gg.RemoteError, match="index out of range"):
+        bad.get()  # a value the failed step made is a failed one
+    assert torch.equal(later.get(), torch.ones(2))  # raised once: a later step is its own
     assert torch.equal(step(torch.tensor([2]).send(w0)).get(), torch.ones(1))
 
 

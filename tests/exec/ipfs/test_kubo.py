@@ -9,7 +9,14 @@ import uuid
 
 import pytest
 
-from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, PubsubMessage
+from gridgraph.exec.ipfs.kubo import (
+    MAX_BLOCK_SIZE,
+    PUBLISH_TRIES,
+    Kubo,
+    KuboError,
+    PubsubMessage,
+)
+from gridgraph.exec.transport import NotSent
 
 pytestmark = pytest.mark.ipfs
 
@@ -183,3 +190,25 @@ def test_publishes_from_several_threads_at_once_all_go_out(kubo_nodes):
         t.join()
     sub.close()
     assert not errors, errors[:3]
+
+
+def test_a_publish_refused_every_time_is_reported_as_not_sent(monkeypatch):
+    # Under load (8 clients x 100 computations) a publish refused 16 times running reached
+    # the user as a raw `KuboError ... HTTP 500 validation ignored`. Now it says "not sent",
+    # which the request layer treats as a lost message and sends again (test_requests.py).
+    kubo = Kubo("/ip4/127.0.0.1/tcp/1")  # (no daemon: every call is refused below)
+    calls = []
+
+    def refused(*args, **kwargs):
+        calls.append(1)
+        raise KuboError("/pubsub/pub on node: HTTP 500 validation ignored")
+
+    monkeypatch.setattr(kubo, "_call", refused)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    with pytest.raises(NotSent):
+        kubo.pubsub_pub("topic", b"x")
+    assert len(calls) == PUBLISH_TRIES
+    monkeypatch.setattr(kubo, "_call", lambda *a, **k: (_ for _ in ()).throw(KuboError("HTTP 400")))
+    with pytest.raises(KuboError) as other:
+        kubo.pubsub_pub("topic", b"x")
+    assert not isinstance(other.value, NotSent)  # any other failure is raised as it is

@@ -77,6 +77,7 @@ def test_one_client_breaking_its_limits_does_not_stall_the_other(kubo_nodes, lim
             start = time.monotonic()
             with pytest.raises(gg.RemoteError, match="memory limit of 1.0 GiB"), gg.trace():
                 x[:1].expand(1 << 30).contiguous().compute()  # 4 GiB
+                greedy.sync()  # (compute returns once sent)
             assert time.monotonic() - start < 10
             big = torch.randn(1 << 24).send(g0)  # 64 MiB; each op on it takes a while
             with gg.trace():
@@ -86,6 +87,7 @@ def test_one_client_breaking_its_limits_does_not_stall_the_other(kubo_nodes, lim
             start = time.monotonic()
             with pytest.raises(gg.RemoteError, match="time limit of 10 s"):
                 y.compute()
+                greedy.sync()
             assert time.monotonic() - start < 25
             assert torch.equal((x * 2).get(), torch.full((4,), 2.0))  # still computes
         finally:

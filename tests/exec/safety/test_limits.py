@@ -76,6 +76,7 @@ def test_an_over_limit_program_from_a_client_raises_naming_the_limit():
             big = x[:1].expand(1 << 28).contiguous()
         with pytest.raises(gg.RemoteError, match=r"memory limit of 1\.0 GiB"):
             big.compute()
+            grid.sync()  # (compute returns once sent)
         assert grid.stats()["workers"]["w0"]["ops_run"] == 0
 
 

@@ -140,16 +140,44 @@ def test_an_idle_serving_thread_ends_and_the_session_is_idle_while_it_waits(monk
         assert peer.request("w0", {"kind": "ping"})["ok"]  # a new thread serves it
 
 
-def test_a_session_keeps_only_the_latest_replies_and_counts_their_bytes(monkeypatch):
-    monkeypatch.setattr(session, "RECORDS_KEPT", 40)
+def test_a_session_keeps_replies_until_acknowledged_and_counts_their_bytes(monkeypatch):
+    # It kept the 16 latest replies, by count: with more requests in flight, one reply lost
+    # on the way turned a request that ran into "already served; reply no longer kept".
+    monkeypatch.setattr(session, "RECORDS_KEPT", 400)
     state = session.Session("peer/s", "peer")
-    for i in range(100):
-        state.replied(state.record(str(i)), bytes(i))
+    for i in range(1, 101):
+        state.replied(state.record(f"{i:x}"), bytes(i))
+    assert all(rec.reply is not None for rec in state.records.values())  # none acknowledged
+    assert state.memory() == sum(range(1, 101)) + session.RECORD_BYTES * 100
+    state.acknowledge({"below": 51, "ids": [60, 70]})
+    kept = [int(rid, 16) for rid, rec in state.records.items() if rec.reply is not None]
+    assert kept == [i for i in range(51, 101) if i not in (60, 70)]
+    assert len(state.records) == 50  # under the watermark: no record, refused as stale
+    assert state.stale("32") and not state.stale("3c") and not state.stale("65")
+    assert state.records["3c"].dropped == session.ACKNOWLEDGED  # its bare id stays
+    assert state.memory() == sum(kept) + session.RECORD_BYTES * 50
+
+
+def test_unacknowledged_replies_are_bounded_by_bytes_the_latest_always_kept(monkeypatch):
+    monkeypatch.setattr(session, "REPLY_BYTES_KEPT", 1000)
+    state = session.Session("peer/s", "peer")
+    for i in range(1, 21):
+        state.replied(state.record(f"{i:x}"), bytes(100))
     kept = [rid for rid, rec in state.records.items() if rec.reply is not None]
-    latest = range(100 - session.REPLIES_KEPT, 100)
-    assert kept == [str(i) for i in latest]
-    assert len(state.records) == 40
-    assert state.memory() == sum(latest) + session.RECORD_BYTES * 40
+    assert kept == [f"{i:x}" for i in range(11, 21)]
+    assert state.records["1"].dropped == session.OVER_BYTES
+    state.replied(state.record("15"), bytes(5000))  # over the bound alone: still kept
+    assert [rid for rid, rec in state.records.items() if rec.reply is not None] == ["15"]
+    assert state.memory() == 5000 + session.RECORD_BYTES * 21
+
+
+def test_a_malformed_acknowledgement_is_ignored():
+    state = session.Session("peer/s", "peer")
+    state.replied(state.record("1"), b"x")
+    for ack in [None, 5, {"below": "9"}, {"below": 2**70}, {"ids": [1] * 65}, {"ids": "1"},
+                {"below": 1.5e9}, {"ids": [-1, 2**70, "1"]}]:  # fmt: skip
+        state.acknowledge(ack)
+    assert state.records["1"].reply == b"x" and state.acked_below == 0
 
 
 def test_steps_after_a_transfer_are_checked_each_run_from_remembered_footprints(monkeypatch):

@@ -377,3 +377,50 @@ def test_a_request_that_comes_while_its_session_runs_another_waits_as_received()
         peer.send("w0", {"kind": "abort", "run": 1, "session": "s"})
         assert not peer.reply(blocked)["ok"]
         assert peer.reply(ping)["ok"]  # decoded when served
+
+
+# --- runs in the order sent ------------------------------------------------------------------
+
+
+def times_two_in_place(vid: int) -> dict:
+    """A run that doubles value `vid` in place: (x + 1) * 2 != x * 2 + 1, so order shows."""
+    step = ["call", "aten::mul_.Tensor", [Slot(0), 2.0], {}, [1], [], False]
+    return {"kind": "run", "run": 3, "plan": 3, "program": [[step]], "slots": [vid, vid + 1],
+            "params": []}  # fmt: skip
+
+
+def test_a_run_that_overtook_the_one_sent_before_it_waits_for_it(local_grid):
+    # Runs sent without waiting may arrive in any order (PubSub); each names the run sent
+    # before it (`after`), and the worker serves them in the order sent.
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]}, rid="1")["ok"]
+    third = peer.send("w0", {**add_one_in_place(1), "after": 3}, rid="4")  # first to arrive
+    second = peer.send("w0", {**times_two_in_place(1), "after": 2}, rid="3")  # then the second
+    assert peer.no_reply_within(0.3)  # both held: the first has not come
+    state = local_grid.local_workers[0].sessions["mallory/s"]
+    assert len(state.held) == 2 and state.queued_bytes > 0
+    first = peer.send("w0", {**add_one_in_place(1), "after": 0}, rid="2")
+    assert all(peer.reply(rid)["ok"] for rid in (first, second, third))
+    fetch = {"kind": "run", "run": 4, "plan": 4, "program": [[["return", 0]]], "slots": [1],
+             "params": []}  # fmt: skip
+    [[_, value]] = peer.request("w0", fetch, rid="5")["returns"]
+    assert torch.equal(value, torch.full((1,), 5.0))  # (1 + 1) * 2 + 1: in the order sent
+    assert not state.held and state.queued_bytes == 0
+
+
+def test_a_held_run_goes_once_the_run_before_it_is_acknowledged(local_grid):
+    # Its client gave up on the run before it (never sent, or lost): it acknowledges it, and
+    # the held run is served with the next request rather than held for ever.
+    peer = Peer(local_grid)
+    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(1)]]}, rid="1")["ok"]
+    held = peer.send("w0", {**times_two_in_place(1), "after": 2}, rid="3")
+    assert peer.no_reply_within(0.3)
+    assert peer.request("w0", {"kind": "ping", "ack": {"below": 3, "ids": []}}, rid="4")["ok"]
+    assert peer.reply(held)["ok"]
+
+
+def test_a_bye_answers_the_runs_still_held(local_grid):
+    peer = Peer(local_grid)
+    held = peer.send("w0", {**add_one_in_place(1), "after": 5}, rid="6")
+    assert peer.request("w0", {"kind": "bye"}, rid="7")["ok"]
+    assert "nothing of it ran" in peer.reply(held)["error"]["message"]
