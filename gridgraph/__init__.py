@@ -24,7 +24,7 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec.client.compile import Compiled, compile
-from gridgraph.exec.grid import Grid, WorkerRef, local_grid
+from gridgraph.exec.grid import Grid, WorkerRef, bring_home, local_grid
 from gridgraph.exec.ipfs.client import connect
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.inspect import explain, visualize
@@ -48,6 +48,7 @@ __all__ = [
     "compute",
     "connect",
     "explain",
+    "get",
     "local_grid",
     "on",
     "send",
@@ -63,6 +64,20 @@ def send(obj, worker: WorkerRef):
     if isinstance(obj, torch.nn.Module):
         return worker.grid.send_module(obj, worker)
     return worker.grid.send(obj, worker)
+
+
+def get(obj):
+    """Bring a value home: a pointer's value as a local tensor, or a sent model made local
+    again in place (parameters, buffers and gradients; returns the model). `model.get()`
+    is the same.
+
+        model.send(w0); ...; gg.get(model)   # model's tensors are plain local tensors again
+    """
+    if isinstance(obj, torch.nn.Module):
+        return bring_home(obj)
+    if isinstance(obj, RemoteTensor):
+        return obj.get()
+    raise TypeError(f"gg.get takes a pointer or an nn.Module, got {type(obj).__name__}")
 
 
 def compute(*pointers: RemoteTensor) -> tuple[RemoteTensor, ...]:
@@ -87,6 +102,7 @@ def _send_method(self, worker: WorkerRef):
     return send(self, worker)
 
 
-# x.send(w) and model.send(w), as in the original Grid API.
+# x.send(w) and model.send(w), as in the original Grid API; model.get() brings it home.
 torch.Tensor.send = _send_method
 torch.nn.Module.send = _send_method
+torch.nn.Module.get = get

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from gridgraph.errors import GridError
+from gridgraph.errors import GridError, SessionLost, WorkerLost
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.safety.limits import Limits
@@ -112,7 +112,8 @@ class Grid:
     # --- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Messages and bytes sent since the last reset, and what each worker holds now."""
+        """Messages and bytes sent since the last reset, and what each worker holds now;
+        `lost` maps each worker that did not answer (lost, or its session ended) to why."""
         self._check_open()
         return self._stats(reset=False)
 
@@ -124,9 +125,14 @@ class Grid:
     def _stats(self, reset: bool) -> dict:
         self.client.release_dead()
         per_worker = {}
+        lost = {}
         messages = bytes_ = 0
         for w in self.client.workers:
-            reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
+            try:
+                reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
+            except (WorkerLost, SessionLost, GridError) as e:  # gone, or silent: say so
+                lost[w] = str(e)
+                continue
             per_worker[w] = {k: reply[k] for k in ("objects", "stored_bytes", "ops_run")}
             messages += reply["messages"]
             bytes_ += reply["bytes"]
@@ -135,6 +141,7 @@ class Grid:
             "messages": messages + sent.messages,
             "bytes": bytes_ + sent.bytes,
             "workers": per_worker,
+            "lost": lost,
         }
         if reset:
             sent.reset()
@@ -163,6 +170,28 @@ class Grid:
     def __repr__(self) -> str:
         state = "closed" if self.client.closed else "open"
         return f"<Grid {state}: {', '.join(w.name for w in self.workers)}>"
+
+
+def bring_home(module: torch.nn.Module) -> torch.nn.Module:
+    """Make a sent model local again, in place: each parameter, buffer and gradient that is
+    a pointer becomes a local tensor holding its value on the worker now. Returns `module`.
+    Optimizer state stays remote: make the optimizer again for the local parameters."""
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if isinstance(t, RemoteTensor):
+                    table[name] = _local(t, table is m._parameters)
+    return module
+
+
+def _local(p: RemoteTensor, param: bool) -> torch.Tensor:
+    """The local copy of pointer `p` (with its `.grad`, if that is a pointer)."""
+    t = p.get()
+    if param:
+        t = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    if isinstance(p.grad, RemoteTensor):
+        t.grad = p.grad.get()
+    return t
 
 
 def check_sendable(t: object) -> None:
@@ -202,6 +231,8 @@ def local_grid(
     limits = limits or Limits.unlimited()
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
+    if isolate:
+        executor.refuse_nested_start()
     isolation = executor.Isolation() if isolate else None
     workers = [
         Worker(name, bus.endpoint(name), limits=limits, isolation=isolation) for name in names

@@ -192,6 +192,8 @@ class Client:
             self.failed.pop(vid, None)
 
     def location_of(self, vid: int) -> str | None:
+        if self.closed:  # its workers freed every value
+            return None
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
 
@@ -230,6 +232,8 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self.check_open()
+        if torch.is_grad_enabled():
+            _check_no_local_parameter(node)
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage
         values = self.graph.values
@@ -589,6 +593,50 @@ class Client:
         self.closed = True
         self.requests.close()  # (the byes freed everything)
         self.transport.close()
+
+
+def _check_no_local_parameter(node: Node) -> None:
+    """Refuse an op that mixes a local `nn.Parameter` requiring grad with pointers (a model
+    sent in part): its gradient would be a pointer, and the optimizer's step would fail far
+    from here. Names the parameter as its model names it (`2.weight`)."""
+    for arg in (*node.args, *node.kwargs.values()):
+        for const in arg if isinstance(arg, list) else (arg,):
+            source = getattr(const, "source", None)
+            if isinstance(source, torch.nn.Parameter) and source.requires_grad:
+                raise GridError(
+                    f"{_unsent(source)} still local, and {node.name} at "
+                    f"{node.meta.get('where', '<unknown>')} mixes one with pointers (its "
+                    "gradient would be remote, and the optimizer's step would fail): send "
+                    "them too (model.send(worker) sends every parameter of a model)"
+                )
+
+
+def _unsent(param: torch.nn.Parameter) -> str:
+    """`parameters 2.weight, 2.bias of your Sequential are`: the local parameters of the
+    outermost module holding `param`, by their dotted names, found through the garbage
+    collector's referrers (on the error path only)."""
+    import gc
+
+    def holder(child: object, table: str) -> tuple[torch.nn.Module, str] | None:
+        for d in gc.get_referrers(child):  # the module's table, then the module's __dict__
+            if not isinstance(d, dict):
+                continue
+            for up in gc.get_referrers(d):
+                for m in (up, *gc.get_referrers(up)) if isinstance(up, dict) else (up,):
+                    if isinstance(m, torch.nn.Module) and vars(m).get(table) is d:
+                        return m, next(k for k, v in d.items() if v is child)
+        return None
+
+    found = holder(param, "_parameters")
+    if found is None:
+        return f"parameter of shape {tuple(param.shape)} is"
+    top, seen = found[0], {id(found[0])}
+    while (up := holder(top, "_modules")) is not None and id(up[0]) not in seen:
+        top, seen = up[0], seen | {id(up[0])}
+    local = [n for n, p in top.named_parameters() if not isinstance(p, RemoteTensor)]
+    if len(local) == 1:
+        return f"parameter {local[0]} of your {type(top).__name__} is"
+    return f"parameters {', '.join(local)} of your {type(top).__name__} are"
 
 
 def _dense(meta: TensorMeta) -> bool:

@@ -23,6 +23,7 @@ worker's identity, worker.py); a worker's own serves its rival check and `alive`
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -56,6 +57,7 @@ MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 
 # anyone can fill it (with some 33 made-up nodes); `trust` keeps others' names out.
 SEEN_KEPT = 4096
 NAMES_PER_PEER = 64
+TYPO_AFTER = 2.0  # seconds of listening before a name that looks mistyped fails `wait`
 WARNED_KEPT = 1024  # (name, node) pairs logged once about; forgotten all at once past this
 
 
@@ -309,6 +311,14 @@ class Directory:
                 if names is not None:
                     if all(n in live for n in names):
                         found = list(names)
+                    elif now - start >= TYPO_AFTER:  # heard from every live worker by now
+                        typos = {n: t for n in names if n not in live and (t := typo_of(n, live))}
+                        if typos:
+                            raise GridError(
+                                f"no worker {', '.join(map(repr, typos))} on {where}; did you "
+                                f"mean {', '.join(map(repr, typos.values()))}? (live: "
+                                f"{', '.join(live)})"
+                            )
                 elif len(live) >= min_workers and (now - start >= settle or now - start > timeout):
                     found = live
                 if found is not None:
@@ -317,13 +327,51 @@ class Directory:
                     return found
                 if now - start > timeout:
                     wanted = f"workers {', '.join(names)}" if names else f"{min_workers} workers"
+                    close = {n: difflib.get_close_matches(n, live, 1, 0.5) for n in names or ()}
+                    hint = "".join(
+                        f" Did you mean {m[0]!r} for {n!r}?" for n, m in close.items()
+                        if m and n not in live
+                    )  # fmt: skip
                     raise GridError(
                         f"waited {timeout:g} s for {wanted} on {where}; found {len(live)} "
-                        f"({', '.join(live) or 'none'}). Start workers with `gridgraph worker "
-                        f"--ipfs ADDR --name NAME`, on nodes connected to this one (check "
+                        f"({', '.join(live) or 'none'}).{hint} Start workers with `gridgraph "
+                        f"worker --ipfs ADDR --name NAME`, on nodes connected to this one (check "
                         f"`ipfs swarm peers`)"
                     )
                 self._cv.wait(0.1)
+
+
+def typo_of(name: str, live: list[str]) -> str | None:
+    """The live name `name` looks like a typo of, if any: the same but for case or `-_.`,
+    or one letter (not a digit) off, other than the last: left out, added, changed, or two
+    swapped; so that `W1`, `wrker1` and `wokrer1` point at `w1` and `worker1`, while
+    `worker2`, `w10` or `node-b`, which may still be starting, point at nothing."""
+
+    def plain(n: str) -> str:
+        return n.lower().replace("-", "").replace("_", "").replace(".", "")
+
+    for other in live:
+        if plain(other) == plain(name) or _one_edit_before_the_end(name, other):
+            return other
+    return None
+
+
+def _one_edit_before_the_end(a: str, b: str) -> bool:
+    """Whether `a` and `b` differ by one edit of a letter (insertion, deletion, substitution
+    or a swap of neighbours) that leaves their last characters alike."""
+    if a == b or abs(len(a) - len(b)) > 1 or a[-1:] != b[-1:]:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        swap = len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+        edited = a[diff[0]] + b[diff[0]] if diff else ""
+        if len(diff) == 1 or (swap and a[diff[1]] == b[diff[0]]):
+            return not any(c.isdigit() for c in edited)
+        return False
+    short, long = sorted((a, b), key=len)
+    return any(
+        long[:i] + long[i + 1 :] == short and not long[i].isdigit() for i in range(len(long))
+    )
 
 
 def ask_workers(transport: Transport) -> None:

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, PubsubMessage
+from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, PubsubMessage, api_multiaddr
 
 pytestmark = pytest.mark.ipfs
 
@@ -183,3 +183,13 @@ def test_publishes_from_several_threads_at_once_all_go_out(kubo_nodes):
         t.join()
     sub.close()
     assert not errors, errors[:3]
+
+
+def test_an_http_url_is_taken_as_the_api_multiaddr(kubo_nodes):
+    api = kubo_nodes[0].api  # /ip4/127.0.0.1/tcp/PORT
+    port = api.rsplit("/", 1)[1]
+    assert api_multiaddr(f"http://127.0.0.1:{port}") == api
+    assert Kubo(f"http://127.0.0.1:{port}").id() == kubo_nodes[0].peer_id
+    for wrong in ("https://127.0.0.1:5001", "http://127.0.0.1", "/ip4/127.0.0.1/5001"):
+        with pytest.raises(ValueError, match="multiaddr, as `/ip4/127.0.0.1/tcp/5001`"):
+            Kubo(wrong)  # before: ipfshttpclient's raw AddressError

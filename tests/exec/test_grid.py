@@ -1,0 +1,131 @@
+"""What a newcomer meets on a grid: errors that say what to do, copying and bringing models
+home, stats that report lost workers. Each compares with plain torch where it computes."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gridgraph as gg
+
+
+def mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_a_model_sent_in_part_names_the_unsent_parameters_at_the_call(local_grid):
+    model = mlp()
+    model[0].send(local_grid.workers[0])  # model[2] forgotten
+    x = torch.randn(3, 4).send(local_grid.workers[1])
+    with pytest.raises(gg.GridError) as raised:
+        model(x)  # before: a RecordError deep inside opt.step(), naming nothing
+    message = str(raised.value)
+    assert "2.weight, 2.bias of your Sequential are still local" in message
+    assert "test_grid.py" in message and "model.send(worker)" in message
+    with torch.no_grad():  # no gradient to go wrong: a local weight may be shipped
+        y = model(x)
+    expected = mlp()[2](torch.relu(torch.nn.functional.linear(
+        x.get(), model[0].weight.get(), model[0].bias.get())))  # fmt: skip
+    torch.testing.assert_close(y.get(), expected)
+
+
+def test_deepcopy_of_a_pointer_is_a_remote_copy(local_grid):
+    a = torch.randn(5, 3)
+    p = a.send(local_grid.workers[2]).requires_grad_(True)
+    q = copy.deepcopy(p)  # before: TypeError: cannot pickle '_thread.lock' object
+    assert isinstance(q, gg.RemoteTensor) and q is not p and q._vid != p._vid
+    assert q.location == "w2" and q.requires_grad and q.is_leaf
+    with torch.no_grad():
+        p.mul_(2)  # the copy does not share the original's storage
+    torch.testing.assert_close(q.get(), a)
+    torch.testing.assert_close(p.get(), 2 * a)
+
+
+def test_deepcopy_of_a_sent_model_trains_apart_then_comes_home(local_grid):
+    model = mlp()
+    model.send(local_grid.workers[0])
+    ema = copy.deepcopy(model)  # the EMA / best-checkpoint pattern
+    assert all(isinstance(p, gg.RemoteTensor) and isinstance(p, torch.nn.Parameter)
+               for p in ema.parameters())  # fmt: skip
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = torch.nn.functional.cross_entropy(model(x.send(local_grid.workers[0])),
+                                             y.send(local_grid.workers[0]))  # fmt: skip
+    loss.backward()
+    opt.step()
+    reference = mlp()
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert ema.get() is ema and model.get() is model  # home, in place
+    for p, q, r, fresh in zip(model.parameters(), ema.parameters(), reference.parameters(),
+                              mlp().parameters()):  # fmt: skip
+        assert type(p) is torch.nn.Parameter and type(q) is torch.nn.Parameter
+        torch.testing.assert_close(p, r)  # trained
+        torch.testing.assert_close(q, fresh)  # the copy kept the weights it was made with
+        torch.testing.assert_close(p.grad, r.grad)
+    torch.testing.assert_close(model(x), reference(x))  # an ordinary local model again
+
+
+def test_gg_get_brings_buffers_home_too(local_grid):
+    model = torch.nn.BatchNorm1d(3)
+    model.running_mean.add_(torch.arange(3.0))
+    gg.send(model, local_grid.workers[1])
+    assert isinstance(model.running_mean, gg.RemoteTensor)
+    gg.get(model)
+    assert type(model.running_mean) is torch.Tensor
+    torch.testing.assert_close(model.running_mean, torch.arange(3.0))
+    with pytest.raises(TypeError, match="pointer or an nn.Module"):
+        gg.get(3)
+
+
+@pytest.mark.parametrize("move", [lambda p: p.cuda(), lambda p: p.to("cuda:0"),
+                                  lambda p: p.to(device="cuda", dtype=torch.half)])  # fmt: skip
+def test_cuda_on_a_pointer_is_a_grid_error_saying_what_to_do(local_grid, move):
+    p = torch.ones(3).send(local_grid.workers[0])
+    with pytest.raises(gg.GridError, match=r"computes on CPU; bring it home first \(p.get\(\)"):
+        move(p)  # before: torch's "Found no NVIDIA driver on your system"
+    assert torch.equal(p.to(torch.float64).get(), torch.ones(3, dtype=torch.float64))
+
+
+def test_stats_report_a_lost_worker_instead_of_raising(local_grid):
+    p = torch.ones(4).send(local_grid.workers[0])
+    local_grid.local_workers[1].close()  # w1 stops answering, and its heartbeats stop:
+    local_grid.client.alive = lambda w: w != "w1"
+    stats = local_grid.stats()  # before: WorkerLost
+    assert set(stats["lost"]) == {"w1"} and "stopped answering" in stats["lost"]["w1"]
+    assert set(stats["workers"]) == {"w0", "w2"} and stats["workers"]["w0"]["objects"] == 1
+    assert p.location == "w0"
+
+
+def test_a_closed_grids_pointer_does_not_say_computed():
+    with gg.local_grid(1) as grid:
+        p = torch.ones(2).send(grid.workers[0])
+        assert "computed=True" in repr(p)
+    assert "computed=True" not in repr(p) and "grid closed" in repr(p)
+    assert not p.computed and p.location is None
+    with pytest.raises(gg.GridError, match="closed"):
+        p.get()
+
+
+def test_an_isolated_grid_without_a_main_guard_is_named_in_one_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent("""
+        import torch, gridgraph as gg
+        with gg.local_grid(1, isolate=True) as grid:   # no `if __name__ == "__main__":`
+            print((torch.ones(3).send(grid.workers[0]) + 1).get())
+    """)
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode != 0
+    assert result.stderr.count("Traceback") == 1, result.stderr  # before: 13, in 569 lines
+    last = result.stderr.strip().splitlines()[-1]
+    assert "gg.SessionLost" in last or "SessionLost" in last
+    assert 'if __name__ == "__main__":' in last
