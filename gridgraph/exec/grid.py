@@ -7,6 +7,7 @@ differs.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Callable
 
@@ -21,6 +22,11 @@ from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker.worker import Worker
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
+from gridgraph.trace.record import on as _on
+from gridgraph.trace.record import trace as _trace
+
+PUT_OVERHEAD = 64 << 10  # bytes of a put message besides its tensors: header, frees
+TENSOR_OVERHEAD = 4 << 10  # and per tensor: its header and alignment
 
 
 class WorkerRef:
@@ -63,10 +69,53 @@ class Grid:
         return p
 
     def send_many(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
-        """Several tensors to one worker in one message."""
+        """Several tensors to one worker: in one message, or in as few as fit the largest
+        message the worker reads (announced: `gridgraph worker --max-message-size`); a tensor
+        larger than that goes in pieces, joined there (`_send_in_pieces`)."""
         self._check_worker(worker)
         for t in tensors:
             check_sendable(t)
+        limit = self.client.requests.message_limit(worker.name)
+        room = None if limit is None else max(limit - PUT_OVERHEAD, limit // 2)
+        sizes = [t.numel() * t.element_size() + TENSOR_OVERHEAD for t in tensors]
+        if room is None or sum(sizes) <= room:
+            return self._put(tensors, worker)
+        pointers: list[RemoteTensor | None] = [None] * len(tensors)
+        batch: list[int] = []
+        for i, size in enumerate([*sizes, math.inf]):  # (the last one sends what is left)
+            if batch and (size > room or sum(sizes[j] for j in batch) + size > room):
+                for j, p in zip(batch, self._put([tensors[j] for j in batch], worker)):
+                    pointers[j] = p
+                batch = []
+            if i == len(tensors):
+                break
+            if size > room:
+                pointers[i] = self._send_in_pieces(tensors[i], worker, room - TENSOR_OVERHEAD)
+            else:
+                batch.append(i)
+        return pointers
+
+    def _send_in_pieces(self, t: torch.Tensor, worker: WorkerRef, room: int) -> RemoteTensor:
+        """`t` as pieces of at most `room` bytes, each sent, then copied into a tensor made
+        for it on `worker` (one run a piece; one piece there at a time, besides the tensor)."""
+        flat = as_sent(t).reshape(-1)
+        per = max(1, room // flat.element_size())
+        whole = None
+        with torch.no_grad(), _on(worker.name):
+            for start in range(0, flat.numel(), per):
+                [piece] = self._put([flat[start : start + per]], worker)
+                with _trace():
+                    if whole is None:
+                        whole = piece.new_empty(flat.shape)
+                    whole[start : start + per].copy_(piece)
+                    if start + per >= flat.numel():
+                        whole = whole.view(t.shape)
+                whole.compute()
+                del piece  # freed with the next request
+        return whole.requires_grad_(t.requires_grad)
+
+    def _put(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
+        """Tensors to one worker in one message."""
         graph = self.client.graph
         dense = [as_sent(t) for t in tensors]  # what arrives, and what its pointer says
         values = [graph.add_value(TensorMeta.of(t)) for t in dense]
@@ -237,7 +286,13 @@ def local_grid(
     workers = [
         Worker(name, bus.endpoint(name), limits=limits, isolation=isolation) for name in names
     ]
-    client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
+    limit = limits.max_message_bytes if limits.max_message_bytes < 1 << 62 else None
+    client = Client(
+        bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"),
+        names,
+        memory_cap=memory_cap,
+        message_limit=lambda worker: limit,
+    )
 
     def stop_workers() -> None:
         for w in workers:

@@ -4,6 +4,7 @@ home, stats that report lost workers. Each compares with plain torch where it co
 from __future__ import annotations
 
 import copy
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -129,3 +130,20 @@ def test_an_isolated_grid_without_a_main_guard_is_named_in_one_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert "gg.SessionLost" in last or "SessionLost" in last
     assert 'if __name__ == "__main__":' in last
+
+
+def test_sends_over_the_message_limit_go_in_pieces_and_runs_over_it_are_refused():
+    limits = dataclasses.replace(gg.Limits.unlimited(), max_message_bytes=1 << 20)
+    with gg.local_grid(2, limits=limits) as grid:
+        w0, w1 = grid.workers
+        a, b, c = torch.randn(700, 1000), torch.arange(10.0), torch.randn(100, 1000)
+        grid.reset_stats()
+        pa, pb, pc = grid.send_many([a, b, c], w0)  # 2.8 MB: three pieces; b and c: one put
+        puts = grid.stats()["messages"]
+        assert torch.equal(pa.get(), a) and torch.equal(pb.get(), b) and torch.equal(pc.get(), c)
+        assert puts == 2 * (3 + 1 + 3)  # requests and replies: 3 pieces and 1 put, 3 copies
+        t = a.t().send(w1).requires_grad_()  # not contiguous: sent as it arrives
+        assert t.is_leaf and t.requires_grad and torch.equal(t.get(), a.t())
+        with pytest.raises(gg.GridError, match=r"'run' request is 1.1 MiB, over the 1.0 MiB"):
+            (pa.reshape(-1)[:300_000] + torch.randn(300_000)).get()  # ships 1.2 MB with the op
+        torch.testing.assert_close((pb * torch.ones(10)).get(), b)

@@ -93,6 +93,7 @@ class Client:
         timeout: float = 300.0,
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
+        message_limit: Callable[[str], int | None] = lambda worker: None,
         cost: CostModel | None = None,
         memory_cap: int | dict[str, int] | None = None,
     ) -> None:
@@ -110,6 +111,7 @@ class Client:
             timeout=timeout,
             retry_after=retry_after,
             alive=alive,
+            message_limit=message_limit,
             lost_values=self._values_on,
         )
         self.graph = Graph()

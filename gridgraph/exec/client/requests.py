@@ -14,7 +14,8 @@ State (under `_cv`: a reply on the transport's thread may change it):
 Policy: a request without its reply is sent again after `retry_after` s, then twice as long
 each time (at most 8 times as long), or first sooner where answers to the same kind of
 request came sooner (exec/resend.py); workers answer a repeated request id from their reply
-cache. A reply counts only from the identity its request was sealed for; a waiter wakes once
+cache. A request larger than its worker reads (`message_limit`) is refused before it is
+sent. A reply counts only from the identity its request was sealed for; a waiter wakes once
 all of its replies are in. A worker that `alive` says is gone fails its waits at once.
 
 The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
@@ -38,6 +39,7 @@ from gridgraph.exec.transport import Transport
 
 # A standalone free message goes out once this many releases wait for one worker.
 FREE_BATCH = 512
+MiB = 1 << 20
 
 
 @dataclass(slots=True)
@@ -69,6 +71,7 @@ class Requests:
         timeout: float = 300.0,
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
+        message_limit: Callable[[str], int | None] = lambda worker: None,
         lost_values: Callable[[str], list[str]],
     ) -> None:
         self.transport = transport
@@ -82,6 +85,9 @@ class Requests:
         self.retry_after = retry_after
         # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
         self.alive = alive
+        # The largest request each worker reads (None: no limit known); a larger one is
+        # refused here, before it is sent, rather than dropped there while we wait.
+        self.message_limit = message_limit
         # Describes the values a worker held, for WorkerLost (the client knows them).
         self.lost_values = lost_values
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
@@ -154,6 +160,15 @@ class Requests:
             frees, self.frees[worker] = self.frees[worker], []
         msg = {**msg, "id": rid, "session": self.session, "free": frees}
         payload = wire.encode(msg)
+        limit = self.message_limit(worker)
+        if limit is not None and len(payload) > limit:
+            with self._cv:
+                self.frees[worker][:0] = frees  # (they go with the next request)
+            raise GridError(
+                f"this {msg['kind']!r} request is {len(payload) / MiB:.1f} MiB, over the "
+                f"{limit / MiB:.1f} MiB worker {worker!r} reads (it would drop it unread); "
+                + _TOO_LARGE.get(msg["kind"], "")
+            )
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
         if awaited:
@@ -295,6 +310,13 @@ class Requests:
             self._replies[rid] = msg
             if any(needed <= self._replies.keys() for needed in self._waiting):
                 self._cv.notify_all()
+
+
+_TOO_LARGE = {
+    "run": "a local tensor mixed into an op travels with the run: send large ones first "
+    "(gg.send(t, worker) splits what is over the limit)",
+    "put": "gg.send splits large tensors: send them one call each",
+}
 
 
 def _freed_nothing(reply: dict) -> bool:

@@ -1,7 +1,8 @@
 """Worker discovery on the grid's discovery topic: who is alive, and which peer owns a name.
 
-Workers announce `{"kind": "announce", "name", "instance", "lease", "seq"}` on DISCOVERY_TOPIC
-every HEARTBEAT s (and at once when a client publishes `{"kind": "discover"}`), and send
+Workers announce `{"kind": "announce", "name", "instance", "lease", "seq"}` and what
+`ANNOUNCED` lists (numbers: their message limit, load ...) on DISCOVERY_TOPIC every
+HEARTBEAT s (and at once when a client publishes `{"kind": "discover"}`), and send
 `{"kind": "leave", ...}` when they stop cleanly. A `Directory` keeps per name a `Seen`: the
 announcing identity ("<peer ID>~<public key>", whole: messages for `w` are sealed for the key
 `w` announced), its process instance, when last heard and its lease; and the names pinned.
@@ -23,6 +24,7 @@ worker's identity, worker.py); a worker's own serves its rival check and `alive`
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -114,6 +116,28 @@ def trusts(trust: Trust | None, name: str, identity: str) -> bool:
     return trust.get(name) == peer if isinstance(trust, dict) else peer in trust
 
 
+# What a worker announces besides its name (numbers only, each bounded: `announced`):
+# the largest request it reads, what it grants each client, and what it serves now.
+ANNOUNCED = {
+    "max_message": "the largest request payload it reads (bytes); larger ones are dropped",
+    "max_memory": "bytes each client may hold there (absent: no limit)",
+    "sessions": "client sessions it holds",
+    "held": "bytes its sessions hold",
+    "load": "seconds spent serving requests per second, over its last heartbeat",
+}
+
+
+def announced(msg: dict) -> dict[str, float]:
+    """The `ANNOUNCED` fields of an announcement that are plain finite non-negative numbers
+    (anything else is left out: any peer may announce anything)."""
+    out = {}
+    for key in ANNOUNCED:
+        v = msg.get(key)
+        if type(v) in (int, float) and 0 <= v < 2**63:
+            out[key] = v
+    return out
+
+
 @dataclass
 class Seen:
     """What the directory knows about one worker name."""
@@ -123,6 +147,7 @@ class Seen:
     last_seen: float
     lease: float
     gone: bool = False
+    info: dict[str, float] | None = None  # what it announced of ANNOUNCED
 
 
 class Directory:
@@ -193,7 +218,7 @@ class Directory:
                 lease = float(lease) if isinstance(lease, int | float) else DEFAULT_LEASE
                 if not owner:
                     self._count(known.identity if known is not None else None, sender)
-                self._seen[name] = Seen(sender, instance, now, lease)
+                self._seen[name] = Seen(sender, instance, now, lease, info=announced(msg))
             elif msg["kind"] == "leave" and owner and known.instance == instance:
                 known.gone = True
             self._cv.notify_all()
@@ -278,6 +303,26 @@ class Directory:
             return min(
                 (self._seen[n].lease for n in names if n in self._seen), default=DEFAULT_LEASE
             )
+
+    def seen(self) -> dict[str, Seen]:
+        """A copy of what is known of each live worker, by name (`gridgraph status`)."""
+        now = time.monotonic()
+        with self._cv:
+            return {n: copy.copy(s) for n, s in self._seen.items() if self._fresh(s, now)}
+
+    def info(self, name: str) -> dict[str, float]:
+        """What worker `name` (the pinned one, once pinned) last announced of ANNOUNCED."""
+        with self._cv:
+            seen = self._seen.get(name)
+            pinned = self._pinned.get(name)
+            if seen is None or pinned is not None and pinned.identity != seen.identity:
+                return {}
+            return dict(seen.info or {})
+
+    def max_message(self, name: str) -> int | None:
+        """The largest request worker `name` reads, as it announced it (None: unknown)."""
+        limit = self.info(name).get("max_message")
+        return None if limit is None else int(limit)
 
     def pin(self, names: list[str]) -> None:
         """Remember which endpoint and process answer to each name: messages for that name

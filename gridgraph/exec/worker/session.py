@@ -104,6 +104,7 @@ class Session:
         self.queue: deque[tuple[dict | None, float, bytes]] = deque()
         self.queued_bytes = 0  # of the payloads in `queue`
         self.busy = False  # a request is queued or running
+        self.busy_seconds = 0.0  # spent serving its requests since its last stats reset
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
         self.last_seen = time.monotonic()
