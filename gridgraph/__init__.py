@@ -17,6 +17,7 @@ import torch
 
 from gridgraph.errors import (
     GridError,
+    GridHint,
     PlacementError,
     RecordError,
     RemoteError,
@@ -36,6 +37,7 @@ __all__ = [
     "Compiled",
     "Grid",
     "GridError",
+    "GridHint",
     "Limits",
     "PlacementError",
     "RecordError",

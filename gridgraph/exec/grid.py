@@ -162,7 +162,11 @@ class Grid:
 
     def stats(self) -> dict:
         """Messages and bytes sent since the last reset, and what each worker holds now;
-        `lost` maps each worker that did not answer (lost, or its session ended) to why."""
+        `lost` maps each worker that did not answer (lost, or its session ended) to why.
+        Time since the last reset: `runs` (each batch of work sent: a traced step, an op
+        outside trace, a .get()), `run_s` the seconds this client waited for them, and per
+        worker `busy_s`, the seconds it spent serving this client (the rest of `run_s` is
+        the network, the queue, and waiting on other workers)."""
         self._check_open()
         return self._stats(reset=False)
 
@@ -183,6 +187,7 @@ class Grid:
                 lost[w] = str(e)
                 continue
             per_worker[w] = {k: reply[k] for k in ("objects", "stored_bytes", "ops_run")}
+            per_worker[w]["busy_s"] = reply.get("busy_seconds", 0.0)
             messages += reply["messages"]
             bytes_ += reply["bytes"]
         sent = self.client.transport.sent
@@ -191,9 +196,12 @@ class Grid:
             "bytes": bytes_ + sent.bytes,
             "workers": per_worker,
             "lost": lost,
+            "runs": self.client.runs_done,
+            "run_s": self.client.run_seconds,
         }
         if reset:
             sent.reset()
+            self.client.runs_done, self.client.run_seconds = 0, 0.0
         return out
 
     def manual_seed(self, seed: int) -> None:

@@ -147,3 +147,46 @@ def test_sends_over_the_message_limit_go_in_pieces_and_runs_over_it_are_refused(
         with pytest.raises(gg.GridError, match=r"'run' request is 1.1 MiB, over the 1.0 MiB"):
             (pa.reshape(-1)[:300_000] + torch.randn(300_000)).get()  # ships 1.2 MB with the op
         torch.testing.assert_close((pb * torch.ones(10)).get(), b)
+
+
+def test_many_ops_outside_trace_give_one_hint_at_the_users_line(local_grid):
+    p = torch.ones(4).send(local_grid.workers[0])
+    with gg.trace():
+        for _ in range(150):
+            p = p + 1
+    p.compute()  # recorded: no hint
+    with pytest.warns(gg.GridHint, match="100 ops on pointers ran one at a time") as hints:
+        for _ in range(250):
+            p = p + 1  # each one round trip
+    assert len(hints) == 1 and hints[0].filename == __file__
+    assert torch.equal(p.get(), torch.full((4,), 401.0))
+
+
+def test_stats_say_where_the_time_went(local_grid):
+    x = torch.randn(300, 300).send(local_grid.workers[1])
+    local_grid.reset_stats()
+    for _ in range(3):
+        with gg.trace():
+            y = (x @ x).sum()
+        y.compute()
+    stats = local_grid.stats()
+    assert stats["runs"] == 3 and stats["run_s"] > 0
+    busy = stats["workers"]["w1"]["busy_s"]
+    assert 0 < busy <= stats["run_s"] and stats["workers"]["w0"]["busy_s"] == 0
+    local_grid.reset_stats()
+    assert local_grid.stats()["runs"] == 0
+
+
+def test_a_grid_imports_what_the_first_ops_meta_kernel_needs_in_the_background():
+    script = textwrap.dedent("""
+        import sys, threading, torch, gridgraph as gg
+        assert "torch._dynamo" not in sys.modules
+        with gg.local_grid(1) as grid:
+            for t in threading.enumerate():
+                if t.name == "gridgraph-warm-up":
+                    t.join()
+            print("torch._dynamo" in sys.modules)  # before any op
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.stdout.strip() == "True", result.stderr

@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 import uuid
+import warnings
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable
@@ -33,6 +35,7 @@ import torch
 
 from gridgraph.errors import (
     GridError,
+    GridHint,
     PlacementError,
     RecordError,
     RemoteError,
@@ -50,11 +53,13 @@ from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
 from gridgraph.schedule.program import Free, Recv, Send, Step
 from gridgraph.trace.graph import Graph, Node
-from gridgraph.trace.meta import OutputSpec, TensorMeta
+from gridgraph.trace.meta import OutputSpec, TensorMeta, warm_up
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
 
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
+EAGER_HINT_AFTER = 100  # ops run outside gg.trace() before a client hints at it, once
+
 # Every client of this process (gg.compile looks for the ones a step records on).
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -135,8 +140,12 @@ class Client:
         self._programs_sent: dict[str, set[int]] = {w: set() for w in workers}
         self._dead: deque[Cell] = deque()  # cells of pointers that died, to release
         self._runs = itertools.count(1)
+        self._eager_ops = 0  # ops run one round trip each (outside gg.trace()), for a hint
+        # Time: runs since the stats were reset, and the seconds spent waiting for them.
+        self.runs_done, self.run_seconds = 0, 0.0
         self._lock = threading.RLock()  # one execution at a time per client
         CLIENTS.add(self)
+        warm_up()  # what the first op's meta kernel imports, meanwhile
 
     # --- settings of the requests ----------------------------------------------------------
 
@@ -248,6 +257,9 @@ class Client:
                 )
         self.graph.add(node)
         if eager:
+            self._eager_ops += 1
+            if self._eager_ops == EAGER_HINT_AFTER:
+                _hint_trace(node)
             self.execute(list(node.outputs))
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
@@ -495,6 +507,7 @@ class Client:
             if plan.id not in self._programs_sent[worker]:
                 msg["program"] = plan.wire[worker]
             msgs[worker] = msg
+        started = time.monotonic()
         rids = {w: self.requests.send(w, msg) for w, msg in msgs.items()}
         try:
             replies = self.requests.wait(plan.id if learn_as is None else learn_as, rids)
@@ -513,6 +526,8 @@ class Client:
                         wire.encode({"kind": "abort", "run": run, "session": self.session}),
                     )
             raise
+        self.runs_done += 1
+        self.run_seconds += time.monotonic() - started
         for w, reply in replies.items():
             if reply.get("ok") and learn_as is None:
                 self._programs_sent[w].add(plan.id)
@@ -595,6 +610,20 @@ class Client:
         self.closed = True
         self.requests.close()  # (the byes freed everything)
         self.transport.close()
+
+
+def _hint_trace(node: Node) -> None:
+    """Say once, at the user's line, that many ops ran one round trip each."""
+    where = node.meta.get("where", "<unknown>:0")
+    filename, _, line = where.rpartition(":")
+    warnings.warn_explicit(
+        f"{EAGER_HINT_AFTER} ops on pointers ran one at a time, one round trip each (outside "
+        "gg.trace()); record a step in `with gg.trace():` (or gg.compile it) to run it as "
+        "one batch per worker: in the README's MLP, 100 ms a step instead of 587",
+        GridHint,
+        filename or where,
+        int(line) if line.isdigit() else 0,
+    )
 
 
 def _check_no_local_parameter(node: Node) -> None:

@@ -412,9 +412,12 @@ def local_swarm(n: int, root: Path, *, log_level: str = "INFO") -> Iterator[list
         for node in nodes:
             log_path = root / f"worker{node.index}.log"
             procs.append(spawn_worker(node.api, f"w{node.index}", log_path, log_level=log_level))
-        discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=60, procs=procs)
+        discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=120, procs=procs)
         yield [node.api for node in nodes]
     finally:
+        for proc in procs:  # all at once: each takes a few seconds to say goodbye
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for proc in procs:
             stop_worker(proc)
         stop_nodes(root)

@@ -484,9 +484,10 @@ class Worker:
                 log.exception("%s: failed to serve a request of %s", self.name, session.key)
                 self._answer_failure(session, msg, e)
             finally:  # (a recv waiting on another worker counts: the session holds it)
-                served = time.monotonic() - started
-                session.busy_seconds += served
-                self.busy_seconds += served
+                if msg is not None and msg.get("kind") not in ("stats", "ping"):
+                    served = time.monotonic() - started
+                    session.busy_seconds += served
+                    self.busy_seconds += served
 
     def _answer_failure(self, session: Session, msg: dict | None, error: Exception) -> None:
         """Reply with an error to a request whose serving failed unexpectedly, unless it was
