@@ -243,7 +243,7 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self.check_open()
-        if torch.is_grad_enabled():
+        if node.params and torch.is_grad_enabled():  # (a local tensor is a parameter)
             _check_no_local_parameter(node)
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage

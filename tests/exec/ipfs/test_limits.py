@@ -109,6 +109,10 @@ def test_a_send_over_a_workers_message_limit_goes_in_pieces_and_nothing_is_dropp
         [(kubo_nodes[1], "small")], tmp_path, options=["--max-message-size", "2MiB"]
     )
     try:
+        # It announced itself only once it could serve: its executors' forkserver has torch.
+        children = Path(f"/proc/{small.proc.pid}/task/{small.proc.pid}/children").read_text()
+        maps = [Path(f"/proc/{pid}/maps").read_text() for pid in children.split()]
+        assert any("libtorch_cpu" in m for m in maps), children
         with gg.connect(ipfs=kubo_nodes[0].api, workers=["small"], timeout=30) as grid:
             [w] = grid.workers
             limit = grid.client.requests.message_limit("small")
