@@ -190,3 +190,18 @@ def test_a_grid_imports_what_the_first_ops_meta_kernel_needs_in_the_background()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.stdout.strip() == "True", result.stderr
+
+
+def test_a_transfer_over_the_receivers_message_limit_is_refused_before_the_run():
+    limits = dataclasses.replace(gg.Limits.unlimited(), max_message_bytes=1 << 20)
+    with gg.local_grid(2, limits=limits) as grid:
+        w0, w1 = grid.workers
+        a, b = torch.randn(600, 1000), torch.ones(3)
+        pa, pb = a.send(w0), b.send(w1)  # 2.4 MB: sent in pieces
+        with gg.trace(), gg.on(w1):
+            y = pa.sum() + pb  # placed on w1: pa would travel whole
+        with pytest.raises(gg.GridError, match=r"moves 2.3 MiB from 'w0' to 'w1' in one"):
+            y.get()  # before: dropped there, and the run waited for it
+        with gg.trace(), gg.on(w0):
+            s = pa.sum()
+        torch.testing.assert_close((s + pb).get(), a.sum() + b)  # a scalar travels

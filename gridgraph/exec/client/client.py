@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -492,6 +493,7 @@ class Client:
         Each message names the identity of every worker that worker's part sends to or
         receives from, as this client knows them: workers send and take transfers between
         those identities only, whatever their own view of the grid says."""
+        self._check_transfers(plan, slots)
         run = next(self._runs)
         msgs = {}
         for worker in plan.programs:
@@ -536,6 +538,27 @@ class Client:
             root = next((e for e in errors if not e.get("upstream")), errors[0])
             raise self._remote_error(root, slots, where)
         return replies
+
+    def _check_transfers(self, plan: Plan, slots: list[int]) -> None:
+        """Refuse, before anything runs, a plan whose transfer to a worker is larger than
+        the messages that worker reads: it would drop it unread while the run waits."""
+        for worker, stages in plan.programs.items():
+            limit = self.requests.message_limit(worker)
+            if limit is None:
+                continue
+            for step in (s for stage in stages for s in stage if isinstance(s, Recv)):
+                values = [self.graph.values.get(slots[i]) for i in step.slots]
+                sizes = [0 if v is None else math.prod(v.meta.shape) * v.meta.dtype.itemsize
+                         for v in values]  # fmt: skip
+                size = sum(sizes)
+                if size > limit:
+                    big = step.slots[sizes.index(max(sizes))]
+                    raise GridError(
+                        f"this run moves {size / 2**20:.1f} MiB from {step.worker!r} to "
+                        f"{worker!r} in one message, over the {limit / 2**20:.1f} MiB "
+                        f"{worker!r} reads (%{slots[big]} is the largest); keep the ops "
+                        f"that read it on {step.worker!r} (with gg.on(...))"
+                    )
 
     def identity_of(self, worker: str) -> str:
         """The transport identity of `worker` as this client knows it (on IPFS, from its
