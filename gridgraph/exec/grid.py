@@ -106,10 +106,8 @@ class Grid:
                 [piece] = self._put([flat[start : start + per]], worker)
                 with _trace():
                     if whole is None:
-                        whole = piece.new_empty(flat.shape)
-                    whole[start : start + per].copy_(piece)
-                    if start + per >= flat.numel():
-                        whole = whole.view(t.shape)
+                        whole = piece.new_empty(t.shape)  # (a tensor of its own, not a view)
+                    whole.view(-1)[start : start + per].copy_(piece)
                 whole.compute()
                 del piece  # freed with the next request
         return whole.requires_grad_(t.requires_grad)

@@ -144,6 +144,16 @@ def test_sends_over_the_message_limit_go_in_pieces_and_runs_over_it_are_refused(
         assert puts == 2 * (3 + 1 + 3)  # requests and replies: 3 pieces and 1 put, 3 copies
         t = a.t().send(w1).requires_grad_()  # not contiguous: sent as it arrives
         assert t.is_leaf and t.requires_grad and torch.equal(t.get(), a.t())
+        weight = torch.nn.Parameter(torch.randn(300, 1000))  # a parameter over the limit
+        model = torch.nn.Linear(1000, 300, bias=False)
+        model.weight = weight
+        model.send(w1)
+        assert model.weight.is_leaf and isinstance(model.weight, torch.nn.Parameter)
+        x = torch.randn(2, 1000)
+        model(x.send(w1)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        expected = weight.detach() - 0.1 * x.sum(0).expand(300, 1000)
+        torch.testing.assert_close(model.weight.get(), expected)
         with pytest.raises(gg.GridError, match=r"'run' request is 1.1 MiB, over the 1.0 MiB"):
             (pa.reshape(-1)[:300_000] + torch.randn(300_000)).get()  # ships 1.2 MB with the op
         torch.testing.assert_close((pb * torch.ones(10)).get(), b)
