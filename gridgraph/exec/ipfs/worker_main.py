@@ -43,6 +43,8 @@ from gridgraph.exec.worker.worker import Worker
 
 log = logging.getLogger("gridgraph.ipfs")
 
+READY_WAIT = 30.0  # seconds a worker waits for its executors to be ready before announcing
+
 
 def run_worker(
     ipfs: str,
@@ -126,8 +128,12 @@ def _serve_as_worker(
         isolation=isolation,
         peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
     )
-    if isolation is not None:  # announced only once it serves: the forkserver is up
-        executor.prewarm()
+    if isolation is not None:  # announced once it serves: its executors' forkserver is up
+        warm = threading.Thread(target=executor.prewarm, daemon=True)
+        warm.start()
+        warm.join(READY_WAIT)
+        if warm.is_alive():  # (a machine this busy: better slow than unheard)
+            log.warning("%s: executors not ready after %g s; announcing anyway", name, READY_WAIT)
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False
     load = _Load(worker)
