@@ -68,7 +68,7 @@ def send(obj, worker: WorkerRef):
     return worker.grid.send(obj, worker)
 
 
-def get(obj):
+def get(obj: RemoteTensor | torch.nn.Module) -> torch.Tensor | torch.nn.Module:
     """Bring a value home: a pointer's value as a local tensor, or a sent model made local
     again in place (parameters, buffers and gradients; returns the model). `model.get()`
     is the same.
