@@ -12,7 +12,9 @@ checked against the same arithmetic in local torch.
 
 Without --ipfs it starts three loopback Kubo nodes and one worker per node (the helpers
 behind `gridgraph ipfs up` and `gridgraph worker`) in a temporary directory, and stops them
-all at the end.
+all at the end. Its last line says where the time went: starting the swarm and workers,
+connecting, sending the shards, the first step (recorded), a steady step (replayed) and
+teardown.
 """
 
 from __future__ import annotations
@@ -58,13 +60,15 @@ def make_step(xs: list, ys: list, lr: float, homes: list | None = None):
     return gg.compile(step) if homes else step
 
 
-def fit(xs: list, ys: list, w, steps: int, lr: float, homes=None, report=None):
+def fit(xs: list, ys: list, w, steps: int, lr: float, homes=None, report=None, times=None):
     """`steps` gradient steps; the same code runs on pointers (with `homes`) and on local
-    tensors."""
+    tensors. `times`: a list to append the time (perf_counter) at the end of each step."""
     step = make_step(xs, ys, lr, homes)
     total = sum(x.shape[0] for x in xs)
     for i in range(steps):
-        w = step(w)
+        w = step(w)  # (a compiled step runs at the call)
+        if times is not None:
+            times.append(time.perf_counter())
         if report is not None and (i % 10 == 0 or i == steps - 1):
             with gg.trace():
                 loss = sum(((x @ w - y) ** 2).sum() for x, y in zip(xs, ys)) / total
@@ -72,7 +76,9 @@ def fit(xs: list, ys: list, w, steps: int, lr: float, homes=None, report=None):
     return w
 
 
-def demo(grid: gg.Grid, steps: int) -> None:
+def demo(grid: gg.Grid, steps: int) -> dict[str, float]:
+    """Fit on the grid, check against local torch; the seconds spent sending, on the first
+    step and on a steady step (the median of the rest)."""
     workers = grid.workers
     print(f"grid: {grid}")
     xs, ys, w_true = shards(len(workers))
@@ -88,6 +94,7 @@ def demo(grid: gg.Grid, steps: int) -> None:
 
     grid.reset_stats()
     start = time.perf_counter()
+    times = [start]
     w = fit(
         remote_x,
         remote_y,
@@ -96,6 +103,7 @@ def demo(grid: gg.Grid, steps: int) -> None:
         lr=0.1,
         homes=workers,
         report=lambda s, loss: print(f"  step {s:3d}  loss {loss:.6f}"),
+        times=times,
     )
     fitted = w.get()
     took = time.perf_counter() - start
@@ -113,6 +121,13 @@ def demo(grid: gg.Grid, steps: int) -> None:
     )
     if not torch.allclose(fitted, expected, atol=1e-5):
         raise SystemExit("the grid's result differs from local torch")
+    steady = sorted(b - a for a, b in zip(times[1:], times[2:]))
+    return {
+        "send": sent,
+        "first step": times[1] - times[0],
+        "steady step": steady[len(steady) // 2] if steady else 0.0,
+        "training": took,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,15 +136,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=3, help="workers to wait for")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
+    clock = {"start": time.perf_counter()}
     with contextlib.ExitStack() as stack:
         ipfs = args.ipfs
         if ipfs is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gg-swarm-")))
             print(f"starting {args.workers} Kubo nodes and workers under {root} ...")
             ipfs = stack.enter_context(local_swarm(args.workers, root, log_level="WARNING"))[0]
+        clock["swarm"] = time.perf_counter()
         grid = stack.enter_context(gg.connect(ipfs=ipfs, min_workers=args.workers))
-        demo(grid, args.steps)
+        clock["connected"] = time.perf_counter()
+        spent = demo(grid, args.steps)
+        clock["trained"] = time.perf_counter()
+    clock["stopped"] = time.perf_counter()
     print("done; everything started here is stopped")
+    swarm = clock["swarm"] - clock["start"]
+    connect = clock["connected"] - clock["swarm"]
+    teardown = clock["stopped"] - clock["trained"]
+    outside = clock["stopped"] - clock["start"] - spent["training"]
+    print(
+        f"time: swarm and workers {swarm:.1f} s, connect {connect:.1f} s, sending "
+        f"{spent['send']:.1f} s, first step {spent['first step']:.2f} s, steady step "
+        f"{1000 * spent['steady step']:.0f} ms, teardown {teardown:.1f} s; "
+        f"outside training {outside:.1f} s of {clock['stopped'] - clock['start']:.1f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 
 from gridgraph.errors import (
     GridError,
+    GridHint,
     PlacementError,
     RecordError,
     RemoteError,
@@ -24,7 +25,7 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec.client.compile import Compiled, RecompileWarning, compile
-from gridgraph.exec.grid import Grid, WorkerRef, local_grid
+from gridgraph.exec.grid import Grid, WorkerRef, bring_home, local_grid
 from gridgraph.exec.ipfs.client import connect
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.inspect import explain, visualize
@@ -36,6 +37,7 @@ __all__ = [
     "Compiled",
     "Grid",
     "GridError",
+    "GridHint",
     "Limits",
     "PlacementError",
     "RecompileWarning",
@@ -49,6 +51,7 @@ __all__ = [
     "compute",
     "connect",
     "explain",
+    "get",
     "local_grid",
     "on",
     "send",
@@ -64,6 +67,20 @@ def send(obj, worker: WorkerRef):
     if isinstance(obj, torch.nn.Module):
         return worker.grid.send_module(obj, worker)
     return worker.grid.send(obj, worker)
+
+
+def get(obj: RemoteTensor | torch.nn.Module) -> torch.Tensor | torch.nn.Module:
+    """Bring a value home: a pointer's value as a local tensor, or a sent model made local
+    again in place (parameters, buffers and gradients; returns the model). `model.get()`
+    is the same.
+
+        model.send(w0); ...; gg.get(model)   # model's tensors are plain local tensors again
+    """
+    if isinstance(obj, torch.nn.Module):
+        return bring_home(obj)
+    if isinstance(obj, RemoteTensor):
+        return obj.get()
+    raise TypeError(f"gg.get takes a pointer or an nn.Module, got {type(obj).__name__}")
 
 
 def compute(*pointers: RemoteTensor) -> tuple[RemoteTensor, ...]:
@@ -88,6 +105,7 @@ def _send_method(self, worker: WorkerRef):
     return send(self, worker)
 
 
-# x.send(w) and model.send(w), as in the original Grid API.
+# x.send(w) and model.send(w), as in the original Grid API; model.get() brings it home.
 torch.Tensor.send = _send_method
 torch.nn.Module.send = _send_method
+torch.nn.Module.get = get

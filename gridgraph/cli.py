@@ -6,9 +6,12 @@
                      [--max-worker-memory 8GiB]         # default: a quarter of the machine
                      [--allow-peers FILE]                # serve only the peers listed
     gridgraph id --ipfs /ip4/127.0.0.1/tcp/5001        # the node's peer ID, for trust lists
+    gridgraph status --ipfs /ip4/127.0.0.1/tcp/5001    # the workers a client would see
+                     [--trust FILE] [--wait 2]
     gridgraph ipfs up --nodes 3 --root /tmp/swarm      # private loopback Kubo swarm
     gridgraph ipfs down --root /tmp/swarm
     gridgraph demo                                     # 3 in-process workers train a model
+    gridgraph --version
 
 `python -m gridgraph ...` is the same.
 """
@@ -68,6 +71,33 @@ def _id(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    from gridgraph.exec.ipfs import status
+    from gridgraph.exec.ipfs.discovery import load_trust
+
+    trust = load_trust(args.trust) if args.trust else None
+    workers = status.survey(args.ipfs, wait=args.wait)
+    if not workers:
+        print(
+            f"no workers heard through {args.ipfs} in {args.wait:g} s; start one with "
+            f"`gridgraph worker --ipfs ADDR --name w0` on a node connected to this one "
+            "(check `ipfs swarm peers`)"
+        )
+        return 1
+    print(status.render(workers, trust))
+    return 0
+
+
+def version() -> str:
+    """This gridgraph's version, as installed (or as pyproject.toml says, from a checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gridgraph")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def _demo(args: argparse.Namespace) -> int:
     from gridgraph import demo  # written separately; imported lazily
 
@@ -76,6 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="gridgraph", description=__doc__.splitlines()[0])
+    top.add_argument("--version", action="version", version=f"gridgraph {version()}")
     commands = top.add_subparsers(dest="command", required=True)
 
     worker = commands.add_parser("worker", help="run a worker on a Kubo node until Ctrl-C")
@@ -146,7 +177,12 @@ def parser() -> argparse.ArgumentParser:
         "--no-isolate only for clients you trust: a kernel crash then ends the whole worker)",
     )
     worker.add_argument(
-        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="what the worker logs to stderr: DEBUG adds every message received "
+        "(default: %(default)s)",
     )
     worker.add_argument(
         "--allow-peers",
@@ -157,8 +193,35 @@ def parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=_worker)
 
     ident = commands.add_parser("id", help="print a Kubo node's peer ID (for trust lists)")
-    ident.add_argument("--ipfs", default="/ip4/127.0.0.1/tcp/5001", help="the node's RPC API")
+    ident.add_argument(
+        "--ipfs",
+        default="/ip4/127.0.0.1/tcp/5001",
+        help="the node's RPC API multiaddr (default: %(default)s)",
+    )
     ident.set_defaults(func=_id)
+
+    status = commands.add_parser(
+        "status", help="list the workers a client would see through a Kubo node"
+    )
+    status.add_argument(
+        "--ipfs",
+        default="/ip4/127.0.0.1/tcp/5001",
+        help="the Kubo node's RPC API multiaddr or http://HOST:PORT (default: %(default)s)",
+    )
+    status.add_argument(
+        "--trust",
+        metavar="FILE",
+        help="a trust file, as connect(trust=FILE) takes: the TRUSTED column says whether a "
+        "client with it would use each worker (default: an open grid, any worker)",
+    )
+    status.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="listen this long for workers' announcements (default: %(default)s)",
+    )
+    status.set_defaults(func=_status)
 
     ipfs = commands.add_parser("ipfs", help="start or stop a local Kubo swarm on loopback")
     swarm.add_cli(ipfs.add_subparsers(dest="action", required=True))

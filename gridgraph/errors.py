@@ -7,6 +7,10 @@ class GridError(RuntimeError):
     """Wrong use of a grid: a closed grid, a worker of another grid, an unsupported tensor."""
 
 
+class GridHint(UserWarning):
+    """A warning that something would run faster another way (shown once per place)."""
+
+
 class RecordError(GridError):
     """A torch call on pointers that gridgraph cannot record; the message says why."""
 

@@ -13,6 +13,7 @@ it, on the worker it was first sent to.
 
 from __future__ import annotations
 
+import math
 import uuid
 import weakref
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gridgraph.errors import GridError
+from gridgraph.errors import GridError, SessionLost, WorkerLost
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.safety.limits import Limits
@@ -32,6 +33,11 @@ from gridgraph.exec.worker.worker import Worker
 from gridgraph.trace import names, scope
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
+from gridgraph.trace.record import on as _on
+from gridgraph.trace.record import trace as _trace
+
+PUT_OVERHEAD = 64 << 10  # bytes of a put message besides its tensors: header, frees
+TENSOR_OVERHEAD = 4 << 10  # and per tensor: its header and alignment
 
 
 class WorkerRef:
@@ -79,10 +85,51 @@ class Grid:
         return p
 
     def send_many(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
-        """Several tensors to one worker in one message."""
+        """Several tensors to one worker: in one message, or in as few as fit the largest
+        message the worker reads (announced: `gridgraph worker --max-message-size`); a tensor
+        larger than that goes in pieces, joined there (`_send_in_pieces`)."""
         self._check_worker(worker)
         for t in tensors:
             check_sendable(t)
+        limit = self.client.requests.message_limit(worker.name)
+        room = None if limit is None else max(limit - PUT_OVERHEAD, limit // 2)
+        sizes = [t.numel() * t.element_size() + TENSOR_OVERHEAD for t in tensors]
+        if room is None or sum(sizes) <= room:
+            return self._put(tensors, worker)
+        pointers: list[RemoteTensor | None] = [None] * len(tensors)
+        batch: list[int] = []
+        for i, size in enumerate([*sizes, math.inf]):  # (the last one sends what is left)
+            if batch and (size > room or sum(sizes[j] for j in batch) + size > room):
+                for j, p in zip(batch, self._put([tensors[j] for j in batch], worker)):
+                    pointers[j] = p
+                batch = []
+            if i == len(tensors):
+                break
+            if size > room:
+                pointers[i] = self._send_in_pieces(tensors[i], worker, room - TENSOR_OVERHEAD)
+            else:
+                batch.append(i)
+        return pointers
+
+    def _send_in_pieces(self, t: torch.Tensor, worker: WorkerRef, room: int) -> RemoteTensor:
+        """`t` as pieces of at most `room` bytes, each sent, then copied into a tensor made
+        for it on `worker` (one run a piece; one piece there at a time, besides the tensor)."""
+        flat = as_sent(t).reshape(-1)
+        per = max(1, room // flat.element_size())
+        whole = None
+        with torch.no_grad(), _on(worker.name):
+            for start in range(0, flat.numel(), per):
+                [piece] = self._put([flat[start : start + per]], worker)
+                with _trace():
+                    if whole is None:
+                        whole = piece.new_empty(t.shape)  # (a tensor of its own, not a view)
+                    whole.view(-1)[start : start + per].copy_(piece)
+                whole.compute()
+                del piece  # freed with the next request
+        return whole.requires_grad_(t.requires_grad)
+
+    def _put(self, tensors: list[torch.Tensor], worker: WorkerRef) -> list[RemoteTensor]:
+        """Tensors to one worker in one message."""
         graph = self.client.graph
         dense = [as_sent(t) for t in tensors]  # what arrives, and what its pointer says
         values = [graph.add_value(TensorMeta.of(t)) for t in dense]
@@ -177,7 +224,12 @@ class Grid:
     # --- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Messages and bytes sent since the last reset, and what each worker holds now."""
+        """Messages and bytes sent since the last reset, and what each worker holds now;
+        `lost` maps each worker that did not answer (lost, or its session ended) to why.
+        Time since the last reset: `runs` (each batch of work sent: a traced step, an op
+        outside trace, a .get()), `run_s` the seconds this client waited for them, and per
+        worker `busy_s`, the seconds it spent serving this client (the rest of `run_s` is
+        the network, the queue, and waiting on other workers)."""
         self._check_open()
         return self._stats(reset=False)
 
@@ -190,10 +242,16 @@ class Grid:
         self.client.settle()  # (what runs in flight hold is released once they settled)
         self.client.release_dead()
         per_worker = {}
+        lost = {}
         messages = bytes_ = 0
         for w in self.client.workers:
-            reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
+            try:
+                reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
+            except (WorkerLost, SessionLost, GridError) as e:  # gone, or silent: say so
+                lost[w] = str(e)
+                continue
             per_worker[w] = {k: reply[k] for k in ("objects", "stored_bytes", "ops_run")}
+            per_worker[w]["busy_s"] = reply.get("busy_seconds", 0.0)
             messages += reply["messages"]
             bytes_ += reply["bytes"]
         sent = self.client.transport.sent
@@ -201,9 +259,13 @@ class Grid:
             "messages": messages + sent.messages,
             "bytes": bytes_ + sent.bytes,
             "workers": per_worker,
+            "lost": lost,
+            "runs": self.client.runs_done,
+            "run_s": self.client.run_seconds,
         }
         if reset:
             sent.reset()
+            self.client.runs_done, self.client.run_seconds = 0, 0.0
         return out
 
     def manual_seed(self, seed: int) -> None:
@@ -277,6 +339,28 @@ class Grid:
         return f"<Grid {state}: {', '.join(w.name for w in self.workers)}>"
 
 
+def bring_home(module: torch.nn.Module) -> torch.nn.Module:
+    """Make a sent model local again, in place: each parameter, buffer and gradient that is
+    a pointer becomes a local tensor holding its value on the worker now. Returns `module`.
+    Optimizer state stays remote: make the optimizer again for the local parameters."""
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if isinstance(t, RemoteTensor):
+                    table[name] = _local(t, table is m._parameters)
+    return module
+
+
+def _local(p: RemoteTensor, param: bool) -> torch.Tensor:
+    """The local copy of pointer `p` (with its `.grad`, if that is a pointer)."""
+    t = p.get()
+    if param:
+        t = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    if isinstance(p.grad, RemoteTensor):
+        t.grad = p.grad.get()
+    return t
+
+
 def check_sendable(t: object) -> None:
     """Raise a clear error for anything that cannot be sent to a worker."""
     if isinstance(t, RemoteTensor):
@@ -314,11 +398,19 @@ def local_grid(
     limits = limits or Limits.unlimited()
     bus = LocalBus()
     names = [f"w{i}" for i in range(n)]
+    if isolate:
+        executor.refuse_nested_start()
     isolation = executor.Isolation() if isolate else None
     workers = [
         Worker(name, bus.endpoint(name), limits=limits, isolation=isolation) for name in names
     ]
-    client = Client(bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"), names, memory_cap=memory_cap)
+    limit = limits.max_message_bytes if limits.max_message_bytes < 1 << 62 else None
+    client = Client(
+        bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"),
+        names,
+        memory_cap=memory_cap,
+        message_limit=lambda worker: limit,
+    )
 
     def stop_workers() -> None:
         for w in workers:

@@ -21,6 +21,8 @@ tensor of one (the recorder's on the smallest storage, the worker's on its tenso
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -121,6 +123,18 @@ class OutputSpec(NamedTuple):
 
     kind: str
     metas: tuple[TensorMeta | None, ...]
+
+
+def warm_up() -> None:
+    """Import in the background what torch's meta kernels import on their first call:
+    `torch._dynamo` (torch/_compile.py's `_disable_dynamo`), 2-3 s of imports that else
+    fall on the first op recorded. A grid's client calls it when it starts."""
+    if "torch._dynamo" not in sys.modules:
+        threading.Thread(target=_import_dynamo, name="gridgraph-warm-up", daemon=True).start()
+
+
+def _import_dynamo() -> None:
+    import torch._dynamo  # noqa: F401
 
 
 def run_on_meta(op: torch._ops.OpOverload, args: list[Any], kwargs: dict[str, Any]) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gridgraph.errors import GridError
 from gridgraph.trace.meta import TensorMeta
 from gridgraph.trace.record import record
 
@@ -114,7 +115,36 @@ class RemoteTensor(torch.Tensor):
 
     @property
     def computed(self) -> bool:
+        """Whether the value exists on a worker now (False once its grid is closed)."""
         return self.location is not None
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """`p.to(dtype)` is recorded like any op; a GPU device is refused (`cuda`)."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and device.type != "cpu":
+            raise GridError(_NOT_ON_GPU.format(call=f".to({device})"))
+        return super().to(*args, **kwargs)
+
+    def cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Refused: a pointer's value stays on its worker, which computes on CPU."""
+        raise GridError(_NOT_ON_GPU.format(call=".cuda()"))
+
+    def __deepcopy__(self, memo: dict) -> RemoteTensor:
+        """A copy on the same worker (a remote clone): what `copy.deepcopy(model)` makes of
+        a sent model's parameters and buffers (EMA and best-checkpoint patterns). It keeps
+        `requires_grad` (a leaf), a parameter's mark and a copy of `.grad`."""
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = torch.ops.aten.clone.default(self)
+        if self.requires_grad:
+            copy.requires_grad_(True)
+        if getattr(self, "_is_param", False):
+            copy._is_param = True
+        memo[id(self)] = copy
+        if self.grad is not None:
+            copy.grad = self.grad.__deepcopy__(memo)
+        return copy
 
     def move(self, worker: Any) -> RemoteTensor:
         """Move this (computed) value to another worker of the same grid; returns self."""
@@ -134,7 +164,10 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         where = self.location
-        state = f"location={where!r}, computed=True" if where else "computed=False"
+        if getattr(self._owner, "closed", False):
+            state = "grid closed: its value is gone"
+        else:
+            state = f"location={where!r}, computed=True" if where else "computed=False"
         grad = ", requires_grad=True" if self.requires_grad else ""
         return f"RemoteTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {state}{grad})"
 
@@ -157,6 +190,10 @@ class IndexPointer(RemoteTensor):
             return func(*args, **kwargs)
 
 
+_NOT_ON_GPU = (
+    "{call} on a pointer: its value stays on its worker, which computes on CPU; bring it "
+    "home first (p.get(), gg.get(model)), then call {call} on the local tensor"
+)
 _INDEX_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 

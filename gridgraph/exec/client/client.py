@@ -43,6 +43,7 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec import wire
+from gridgraph.exec.client.checks import check_no_local_parameter, check_transfers, hint_trace
 from gridgraph.exec.client.inflight import MAX_IN_FLIGHT, InFlight, Run
 from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
@@ -54,11 +55,13 @@ from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
 from gridgraph.schedule.program import Free, Recv, Send, Step
 from gridgraph.trace.graph import Graph, Node
-from gridgraph.trace.meta import OutputSpec, TensorMeta
+from gridgraph.trace.meta import OutputSpec, TensorMeta, warm_up
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on
 
 SENDABLE_DTYPES = frozenset(DTYPES.values())  # what the wire format carries
+EAGER_HINT_AFTER = 100  # ops run outside gg.trace() before a client hints at it, once
+
 # Every client of this process (gg.compile looks for the ones a step records on).
 CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
@@ -97,6 +100,7 @@ class Client:
         timeout: float = 300.0,
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
+        message_limit: Callable[[str], int | None] = lambda worker: None,
         cost: CostModel | None = None,
         memory_cap: int | dict[str, int] | None = None,
         max_in_flight: int = MAX_IN_FLIGHT,
@@ -115,6 +119,7 @@ class Client:
             timeout=timeout,
             retry_after=retry_after,
             alive=alive,
+            message_limit=message_limit,
             lost_values=self._values_on,
         )
         self.graph = Graph()
@@ -141,8 +146,12 @@ class Client:
         # Runs sent and not settled (asynchronous dispatch, exec/client/inflight.py).
         self.in_flight = InFlight(max_in_flight)
         self._released_after_runs: list[Cell] = []  # dead cells that runs in flight name
+        self._eager_ops = 0  # ops run one round trip each (outside gg.trace()), for a hint
+        # Time: runs since the stats were reset, and the seconds spent waiting for them.
+        self.runs_done, self.run_seconds = 0, 0.0
         self._lock = threading.RLock()  # one execution at a time per client
         CLIENTS.add(self)
+        warm_up()  # what the first op's meta kernel imports, meanwhile
 
     # --- settings of the requests ----------------------------------------------------------
 
@@ -200,6 +209,8 @@ class Client:
             self.failed.pop(vid, None)
 
     def location_of(self, vid: int) -> str | None:
+        if self.closed:  # its workers freed every value
+            return None
         value = self.graph.values.get(vid)
         return value.location if value is not None else None
 
@@ -241,6 +252,8 @@ class Client:
 
     def record(self, node: Node, eager: bool) -> None:
         self.check_open()
+        if node.params and torch.is_grad_enabled():  # (a local tensor is a parameter)
+            check_no_local_parameter(node)
         if self.prefetched and node.writes:
             self.prefetched.clear()  # the write may reach a prefetched value's storage
         values = self.graph.values
@@ -253,6 +266,9 @@ class Client:
                 )
         self.graph.add(node)
         if eager:  # (an op outside gg.trace() waits for its run, as torch's would)
+            self._eager_ops += 1
+            if self._eager_ops == EAGER_HINT_AFTER:
+                hint_trace(node, EAGER_HINT_AFTER)
             self.execute(list(node.outputs), wait=True)
 
     def run_data_dependent(self, node: Node) -> tuple[OutputSpec, list[Any]]:
@@ -556,6 +572,7 @@ class Client:
         receives from, as this client knows them: workers send and take transfers between
         those identities only, whatever their own view of the grid says. Runs go in order
         (`in_order`): a worker serves them as sent, whatever order they arrive in."""
+        check_transfers(plan, slots, self.graph, self.requests.message_limit)
         while self.in_flight.full(plan.programs):
             self._settle_next()
         number = next(self._runs)
@@ -662,6 +679,8 @@ class Client:
                         wire.encode({"kind": "abort", "run": run.number, "session": self.session}),
                     )
             raise
+        self.runs_done += 1
+        self.run_seconds += time.monotonic() - run.sent_at
         for w, reply in replies.items():
             if not reply.get("ok") and run.learn_as is None:
                 self._programs_sent[w].discard(plan.id)

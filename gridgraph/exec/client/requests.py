@@ -26,7 +26,8 @@ reply came or its ids went back into `frees`.
 Policy: a request without its reply is sent again after `retry_after` s, then twice as long
 each time (at most 8 times as long), or first sooner where answers to the same kind of
 request came sooner (exec/resend.py); workers answer a repeated request id from their reply
-cache. A reply counts only from the identity its request was sealed for; a waiter wakes once
+cache. A request larger than its worker reads (`message_limit`) is refused before it is
+sent. A reply counts only from the identity its request was sealed for; a waiter wakes once
 all of its replies are in. A worker that `alive` says is gone fails its waits at once, unless
 it replied within HEARD_ALIVE s (a reply is a sign of life too).
 
@@ -55,6 +56,7 @@ FREE_BATCH = 512
 # A worker that replied within this many seconds is alive, whatever `alive` says (on IPFS,
 # heartbeats: as long as ipfs/discovery.py's DEAD_AFTER).
 HEARD_ALIVE = 5.0
+MiB = 1 << 20
 
 
 @dataclass(slots=True)
@@ -86,6 +88,7 @@ class Requests:
         timeout: float = 300.0,
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
+        message_limit: Callable[[str], int | None] = lambda worker: None,
         lost_values: Callable[[str], list[str]],
     ) -> None:
         self.transport = transport
@@ -99,6 +102,9 @@ class Requests:
         self.retry_after = retry_after
         # Liveness of a worker (heartbeats on IPFS); a dead one fails its requests at once.
         self.alive = alive
+        # The largest request each worker reads (None: no limit known); a larger one is
+        # refused here, before it is sent, rather than dropped there while we wait.
+        self.message_limit = message_limit
         # Describes the values a worker held, for WorkerLost (the client knows them).
         self.lost_values = lost_values
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
@@ -193,6 +199,18 @@ class Requests:
         rid = f"{number:x}"
         msg = {**msg, "id": rid, "session": self.session, "free": frees, "ack": ack}
         payload = wire.encode(msg)
+        limit = self.message_limit(worker)
+        if limit is not None and len(payload) > limit:
+            with self._cv:  # never sent: nothing waits for it, and no run comes after it
+                self.frees[worker][:0] = frees  # (they go with the next request)
+                self._done(worker, rid)
+                if in_order and self._last_in_order.get(worker) == number:
+                    self._last_in_order[worker] = msg["after"]
+            raise GridError(
+                f"this {msg['kind']!r} request is {len(payload) / MiB:.1f} MiB, over the "
+                f"{limit / MiB:.1f} MiB worker {worker!r} reads (it would drop it unread); "
+                + _TOO_LARGE.get(msg["kind"], "")
+            )
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
         with self._cv:  # (before it is sent: on a local grid the reply may come first)
@@ -391,6 +409,13 @@ class Requests:
             self._replies[rid] = msg
             if any(needed <= self._replies.keys() for needed in self._waiting):
                 self._cv.notify_all()
+
+
+_TOO_LARGE = {
+    "run": "a local tensor mixed into an op travels with the run: send large ones first "
+    "(gg.send(t, worker) splits what is over the limit)",
+    "put": "gg.send splits large tensors: send them one call each",
+}
 
 
 def _freed_nothing(reply: dict) -> bool:

@@ -142,6 +142,7 @@ def grid_over(
             names,
             retry_after=retry_after,
             alive=directory.alive,
+            message_limit=directory.max_message,
             cost=CostModel.pubsub(),
             memory_cap=memory_cap,
         )

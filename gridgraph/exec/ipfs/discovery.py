@@ -1,7 +1,8 @@
 """Worker discovery on the grid's discovery topic: who is alive, and which peer owns a name.
 
-Workers announce `{"kind": "announce", "name", "instance", "lease", "seq"}` on DISCOVERY_TOPIC
-every HEARTBEAT s (and at once when a client publishes `{"kind": "discover"}`), and send
+Workers announce `{"kind": "announce", "name", "instance", "lease", "seq"}` and what
+`ANNOUNCED` lists (numbers: their message limit, load ...) on DISCOVERY_TOPIC every
+HEARTBEAT s (and at once when a client publishes `{"kind": "discover"}`), and send
 `{"kind": "leave", ...}` when they stop cleanly. A `Directory` keeps per name a `Seen`: the
 announcing identity ("<peer ID>~<public key>", whole: messages for `w` are sealed for the key
 `w` announced), its process instance, when last heard and its lease; and the names pinned.
@@ -23,6 +24,8 @@ worker's identity, worker.py); a worker's own serves its rival check and `alive`
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import logging
 import math
@@ -56,6 +59,7 @@ MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 
 # anyone can fill it (with some 33 made-up nodes); `trust` keeps others' names out.
 SEEN_KEPT = 4096
 NAMES_PER_PEER = 64
+TYPO_AFTER = 2.0  # seconds of listening before a name that looks mistyped fails `wait`
 WARNED_KEPT = 1024  # (name, node) pairs logged once about; forgotten all at once past this
 
 
@@ -112,6 +116,28 @@ def trusts(trust: Trust | None, name: str, identity: str) -> bool:
     return trust.get(name) == peer if isinstance(trust, dict) else peer in trust
 
 
+# What a worker announces besides its name (numbers only, each bounded: `announced`):
+# the largest request it reads, what it grants each client, and what it serves now.
+ANNOUNCED = {
+    "max_message": "the largest request payload it reads (bytes); larger ones are dropped",
+    "max_memory": "bytes each client may hold there (absent: no limit)",
+    "sessions": "client sessions it holds",
+    "held": "bytes its sessions hold",
+    "load": "seconds spent serving requests per second, over its last heartbeat",
+}
+
+
+def announced(msg: dict) -> dict[str, float]:
+    """The `ANNOUNCED` fields of an announcement that are plain finite non-negative numbers
+    (anything else is left out: any peer may announce anything)."""
+    out = {}
+    for key in ANNOUNCED:
+        v = msg.get(key)
+        if type(v) in (int, float) and 0 <= v < 2**63:
+            out[key] = v
+    return out
+
+
 @dataclass
 class Seen:
     """What the directory knows about one worker name."""
@@ -121,6 +147,7 @@ class Seen:
     last_seen: float
     lease: float
     gone: bool = False
+    info: dict[str, float] | None = None  # what it announced of ANNOUNCED
 
 
 class Directory:
@@ -191,7 +218,7 @@ class Directory:
                 lease = float(lease) if isinstance(lease, int | float) else DEFAULT_LEASE
                 if not owner:
                     self._count(known.identity if known is not None else None, sender)
-                self._seen[name] = Seen(sender, instance, now, lease)
+                self._seen[name] = Seen(sender, instance, now, lease, info=announced(msg))
             elif msg["kind"] == "leave" and owner and known.instance == instance:
                 known.gone = True
             self._cv.notify_all()
@@ -277,6 +304,26 @@ class Directory:
                 (self._seen[n].lease for n in names if n in self._seen), default=DEFAULT_LEASE
             )
 
+    def seen(self) -> dict[str, Seen]:
+        """A copy of what is known of each live worker, by name (`gridgraph status`)."""
+        now = time.monotonic()
+        with self._cv:
+            return {n: copy.copy(s) for n, s in self._seen.items() if self._fresh(s, now)}
+
+    def info(self, name: str) -> dict[str, float]:
+        """What worker `name` (the pinned one, once pinned) last announced of ANNOUNCED."""
+        with self._cv:
+            seen = self._seen.get(name)
+            pinned = self._pinned.get(name)
+            if seen is None or pinned is not None and pinned.identity != seen.identity:
+                return {}
+            return dict(seen.info or {})
+
+    def max_message(self, name: str) -> int | None:
+        """The largest request worker `name` reads, as it announced it (None: unknown)."""
+        limit = self.info(name).get("max_message")
+        return None if limit is None else int(limit)
+
     def pin(self, names: list[str]) -> None:
         """Remember which endpoint and process answer to each name: messages for that name
         stay sealed for that endpoint, and another one counts as a lost worker."""
@@ -309,6 +356,14 @@ class Directory:
                 if names is not None:
                     if all(n in live for n in names):
                         found = list(names)
+                    elif now - start >= TYPO_AFTER:  # heard from every live worker by now
+                        typos = {n: t for n in names if n not in live and (t := typo_of(n, live))}
+                        if typos:
+                            raise GridError(
+                                f"no worker {', '.join(map(repr, typos))} on {where}; did you "
+                                f"mean {', '.join(map(repr, typos.values()))}? (live: "
+                                f"{', '.join(live)})"
+                            )
                 elif len(live) >= min_workers and (now - start >= settle or now - start > timeout):
                     found = live
                 if found is not None:
@@ -317,13 +372,51 @@ class Directory:
                     return found
                 if now - start > timeout:
                     wanted = f"workers {', '.join(names)}" if names else f"{min_workers} workers"
+                    close = {n: difflib.get_close_matches(n, live, 1, 0.5) for n in names or ()}
+                    hint = "".join(
+                        f" Did you mean {m[0]!r} for {n!r}?" for n, m in close.items()
+                        if m and n not in live
+                    )  # fmt: skip
                     raise GridError(
                         f"waited {timeout:g} s for {wanted} on {where}; found {len(live)} "
-                        f"({', '.join(live) or 'none'}). Start workers with `gridgraph worker "
-                        f"--ipfs ADDR --name NAME`, on nodes connected to this one (check "
+                        f"({', '.join(live) or 'none'}).{hint} Start workers with `gridgraph "
+                        f"worker --ipfs ADDR --name NAME`, on nodes connected to this one (check "
                         f"`ipfs swarm peers`)"
                     )
                 self._cv.wait(0.1)
+
+
+def typo_of(name: str, live: list[str]) -> str | None:
+    """The live name `name` looks like a typo of, if any: the same but for case or `-_.`,
+    or one letter (not a digit) off, other than the last: left out, added, changed, or two
+    swapped; so that `W1`, `wrker1` and `wokrer1` point at `w1` and `worker1`, while
+    `worker2`, `w10` or `node-b`, which may still be starting, point at nothing."""
+
+    def plain(n: str) -> str:
+        return n.lower().replace("-", "").replace("_", "").replace(".", "")
+
+    for other in live:
+        if plain(other) == plain(name) or _one_edit_before_the_end(name, other):
+            return other
+    return None
+
+
+def _one_edit_before_the_end(a: str, b: str) -> bool:
+    """Whether `a` and `b` differ by one edit of a letter (insertion, deletion, substitution
+    or a swap of neighbours) that leaves their last characters alike."""
+    if a == b or abs(len(a) - len(b)) > 1 or a[-1:] != b[-1:]:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        swap = len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+        edited = a[diff[0]] + b[diff[0]] if diff else ""
+        if len(diff) == 1 or (swap and a[diff[1]] == b[diff[0]]):
+            return not any(c.isdigit() for c in edited)
+        return False
+    short, long = sorted((a, b), key=len)
+    return any(
+        long[:i] + long[i + 1 :] == short and not long[i].isdigit() for i in range(len(long))
+    )
 
 
 def ask_workers(transport: Transport) -> None:

@@ -66,9 +66,41 @@ def mb_decode(text: str) -> bytes:
     return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
 
 
+def api_multiaddr(addr: str) -> str:
+    """The RPC API's multiaddr, from a multiaddr or an `http://host:port` URL (what Kubo's
+    own docs and `ipfs config Addresses.API` readers often have at hand).
+
+    >>> api_multiaddr("http://127.0.0.1:5001")
+    '/ip4/127.0.0.1/tcp/5001'
+    """
+    if not isinstance(addr, str):
+        raise ValueError(f"a Kubo RPC address is a string, got {type(addr).__name__}")
+    if addr.startswith("/"):
+        return addr
+    url = urllib.parse.urlsplit(addr if "://" in addr else f"http://{addr}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "http" or not url.hostname or port is None or url.path not in ("", "/"):
+        raise ValueError(
+            f"{addr!r} is not a Kubo RPC address: give its multiaddr, as "
+            "`/ip4/127.0.0.1/tcp/5001`, or an http://HOST:PORT URL"
+        )
+    host = url.hostname
+    kind = "ip6" if ":" in host else "ip4" if host.replace(".", "").isdigit() else "dns"
+    return f"/{kind}/{host}/tcp/{port}"
+
+
 def _rpc_endpoint(addr: str) -> tuple[str, int, str]:
     """(host, port, path prefix such as "/api/v0") of the RPC API at multiaddr `addr`."""
-    url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
+    try:
+        url, _, _, _ = multiaddr_to_url_data(addr, API_BASE)
+    except Exception as error:  # ipfshttpclient's AddressError, a bare multiaddr.Error
+        raise ValueError(
+            f"{addr!r} is not a Kubo RPC address ({error}): give its multiaddr, as "
+            "`/ip4/127.0.0.1/tcp/5001`, or an http://HOST:PORT URL"
+        ) from None
     parts = urllib.parse.urlsplit(url)
     return parts.hostname, parts.port, parts.path.rstrip("/")
 
@@ -156,7 +188,7 @@ class Kubo:
     """RPC client for one Kubo node, addressed by its API multiaddr."""
 
     def __init__(self, addr: str, timeout: float = 60.0) -> None:
-        self.addr = addr
+        self.addr = addr = api_multiaddr(addr)
         self.timeout = timeout
         self._host, self._port, self._base = _rpc_endpoint(addr)
         host = f"[{self._host}]" if ":" in self._host else self._host  # an IPv6 address

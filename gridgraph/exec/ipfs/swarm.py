@@ -308,9 +308,20 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def cli_up(args: argparse.Namespace) -> None:
-    """`gridgraph ipfs up --nodes N --root DIR`: print each node's API multiaddr, one a line."""
-    for node in start_nodes(args.nodes, Path(args.root)):
-        print(node.api)
+    """`gridgraph ipfs up --nodes N --root DIR`: start the nodes, then print each node's
+    addresses, labelled, and the commands to run next."""
+    root = Path(args.root)
+    nodes = start_nodes(args.nodes, root)
+    print(f"{len(nodes)} Kubo nodes on loopback, repos under {root}:")
+    for node in nodes:
+        print(f"  node{node.index}  api {node.api}  peer {node.peer_id}  swarm {node.swarm}")
+    print("next, a worker on each node (each in its own terminal, or with &):")
+    for node in nodes:
+        print(f"  gridgraph worker --ipfs {node.api} --name w{node.index}")
+    print("then see them, and connect from Python:")
+    print(f"  gridgraph status --ipfs {nodes[0].api}")
+    print(f'  gg.connect(ipfs="{nodes[0].api}", min_workers={len(nodes)})')
+    print(f"stop the nodes with: gridgraph ipfs down --root {root}")
 
 
 def cli_down(args: argparse.Namespace) -> None:
@@ -322,11 +333,13 @@ def cli_down(args: argparse.Namespace) -> None:
 def add_cli(subparsers: argparse._SubParsersAction) -> None:
     """Add the `up` and `down` subcommands to an argparse subparsers object."""
     up = subparsers.add_parser("up", help="start N local Kubo nodes on loopback")
-    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument(
+        "--nodes", type=int, default=3, metavar="N", help="how many nodes (default: %(default)s)"
+    )
     up.add_argument("--root", required=True, help="directory for the node repos")
     up.set_defaults(func=cli_up)
     down = subparsers.add_parser("down", help="stop the Kubo nodes started under --root")
-    down.add_argument("--root", required=True)
+    down.add_argument("--root", required=True, help="the directory `ipfs up --root` was given")
     down.set_defaults(func=cli_down)
 
 
@@ -352,9 +365,11 @@ def spawn_worker(
     log_level: str = "INFO",
     allow_peers: Path | None = None,
     isolate: bool = True,
+    options: list[str] = (),
 ) -> subprocess.Popen:
     """Start `python -m gridgraph worker` on the node at `api`, logging to `log_path`
-    (`isolate=False`: with `--no-isolate`, its programs in its own process)."""
+    (`isolate=False`: with `--no-isolate`, its programs in its own process; `options`:
+    more of its flags, as `["--max-message-size", "2MiB"]`)."""
     args = [sys.executable, "-m", "gridgraph", "worker", "--ipfs", api,
             "--name", check_name(name), "--log-level", log_level]  # fmt: skip
     if lease is not None:
@@ -363,6 +378,7 @@ def spawn_worker(
         args += ["--allow-peers", str(allow_peers)]
     if not isolate:
         args.append("--no-isolate")
+    args += options
     with open(log_path, "ab") as out:
         return subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -396,9 +412,12 @@ def local_swarm(n: int, root: Path, *, log_level: str = "INFO") -> Iterator[list
         for node in nodes:
             log_path = root / f"worker{node.index}.log"
             procs.append(spawn_worker(node.api, f"w{node.index}", log_path, log_level=log_level))
-        discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=60, procs=procs)
+        discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=120, procs=procs)
         yield [node.api for node in nodes]
     finally:
+        for proc in procs:  # all at once: each takes a few seconds to say goodbye
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for proc in procs:
             stop_worker(proc)
         stop_nodes(root)

@@ -81,6 +81,12 @@ class MalformedEnvelope(ValueError):
     """A PubSub message that is not a gridgraph envelope, or whose blocks do not add up."""
 
 
+def largest_payload(max_total: int) -> int:
+    """The largest payload a receiver that drops messages over `max_total` bytes takes:
+    sealed, a block payload grows by a tag per block (what `WorkerTransport` counts)."""
+    return max(0, max_total - secure.TAG_BYTES * -(-max_total // BLOCK_SIZE))
+
+
 def pack_inline(payload: bytes) -> bytes:
     return msgpack.packb({"v": ENVELOPE_VERSION, "n": os.urandom(16), "d": payload})
 
@@ -682,8 +688,9 @@ def open_transport(cls: type[IpfsTransport], ipfs: str, **kwargs) -> IpfsTranspo
 
 
 class WorkerTransport(GridTransport):
-    """GridTransport for a worker: refuses oversized messages before fetching their blocks,
-    and logs each message it receives (DEBUG)."""
+    """GridTransport for a worker: refuses oversized messages before fetching their blocks
+    (its workers announce `largest_payload(max_payload)`, so that clients split or refuse
+    larger sends before sending), and logs each message it receives (DEBUG)."""
 
     def __init__(self, api: str, *, max_payload: int = MAX_PAYLOAD, **kwargs) -> None:
         self.max_payload = max_payload  # before super(): it starts receiving

@@ -1,9 +1,11 @@
 """The worker process on a Kubo node: what `gridgraph worker` runs.
 
 It announces itself on the discovery topic every `heartbeat` s (and at once when a client
-asks), refuses to start under a name a live worker already holds, serves requests with a
-`Worker` (exec/worker/worker.py) over a `WorkerTransport`, frees the tensors of clients
-silent past their lease, and says goodbye on the discovery topic when it stops (SIGTERM/SIGINT).
+asks), once it can serve (its executors' forkserver up), with its message limit, client
+memory limit and load (discovery.ANNOUNCED); refuses to start under a name a live worker
+already holds, serves requests with a `Worker` (exec/worker/worker.py) over a
+`WorkerTransport`, frees the tensors of clients silent past their lease, and says goodbye on
+the discovery topic when it stops (SIGTERM/SIGINT).
 
 Its discovery directory serves the rival check and says whether another worker is still alive
 (a recv from a dead one fails at once); it never says who another worker is: each run names
@@ -28,7 +30,12 @@ from gridgraph.exec.ipfs.discovery import (
     trusted_peers,
 )
 from gridgraph.exec.ipfs.kubo import KuboError
-from gridgraph.exec.ipfs.transport import MAX_PAYLOAD, WorkerTransport, open_transport
+from gridgraph.exec.ipfs.transport import (
+    MAX_PAYLOAD,
+    WorkerTransport,
+    largest_payload,
+    open_transport,
+)
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
 from gridgraph.exec.safety.budget import MemoryBudget
@@ -36,6 +43,8 @@ from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker.worker import Worker
 
 log = logging.getLogger("gridgraph.ipfs")
+
+READY_WAIT = 30.0  # seconds a worker waits for its executors to be ready before announcing
 
 
 def run_worker(
@@ -124,12 +133,23 @@ def _serve_as_worker(
         peer_alive=lambda n: _alive(directory, n, 3 * heartbeat, unknown),
         budget=transport.budget,
     )
+    if isolation is not None:  # announced once it serves: its executors' forkserver is up
+        warm = threading.Thread(target=executor.prewarm, daemon=True)
+        warm.start()
+        warm.join(READY_WAIT)
+        if warm.is_alive():  # (a machine this busy: better slow than unheard)
+            log.warning("%s: executors not ready after %g s; announcing anyway", name, READY_WAIT)
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
     failing = False
+    load = _Load(worker)
+    largest = min(largest_payload(transport.max_payload), limits.max_message_bytes)
 
     def announce(kind: str, seq: int) -> None:
         nonlocal failing
-        msg = {"kind": kind, "name": name, "instance": instance, "lease": lease, "seq": seq}
+        msg = {"kind": kind, "name": name, "instance": instance, "lease": lease, "seq": seq,
+               "max_message": largest, **load.now()}  # fmt: skip
+        if limits.max_client_memory is not None:
+            msg["max_memory"] = limits.max_client_memory
         try:
             transport.publish(DISCOVERY_TOPIC, wire.encode(msg), counted=False)
         except KuboError as e:
@@ -162,6 +182,26 @@ def _serve_as_worker(
     announce("leave", seq)
     worker.close()
     return 0
+
+
+class _Load:
+    """What a worker announces of its load (discovery.ANNOUNCED): its sessions, the bytes
+    they hold, and the seconds spent serving per second since the last announcement."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.at, self.busy = time.monotonic(), worker.busy_seconds
+
+    def now(self) -> dict[str, float]:
+        now, busy = time.monotonic(), self.worker.busy_seconds
+        load = (busy - self.busy) / max(now - self.at, 1e-3)
+        self.at, self.busy = now, busy
+        try:  # session threads may change them meanwhile: a clash leaves them out once
+            sessions = list(self.worker.sessions.values())
+            held = sum(s.memory() for s in sessions)
+        except (RuntimeError, KeyError):
+            return {"load": round(load, 3)}
+        return {"sessions": len(sessions), "held": held, "load": round(load, 3)}
 
 
 def _alive(directory: Directory, name: str, grace: float, unknown: dict[str, float]) -> bool:

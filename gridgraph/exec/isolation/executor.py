@@ -101,6 +101,24 @@ def _nothing() -> None:
     pass
 
 
+# An executor's exit status when it started a grid itself: multiprocessing runs the user's
+# main module again in each process it starts, and one without an `if __name__ ==
+# "__main__":` guard starts a grid there (see `refuse_nested_start`).
+MAIN_NOT_GUARDED = 75
+NOT_GUARDED = (
+    "your script starts an isolated grid when imported, and each executor process imports "
+    'it again: put that code under `if __name__ == "__main__":`'
+)
+
+
+def refuse_nested_start() -> None:
+    """Called before starting executors: in a process that multiprocessing is starting (it
+    imports the user's main module first), exit at once, quietly, with MAIN_NOT_GUARDED,
+    which its parent reports as NOT_GUARDED (else: a dozen tracebacks, one per process)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(MAIN_NOT_GUARDED)
+
+
 class Isolation:
     """How a worker runs each session in an executor process of its own (it is the worker's
     `Isolation`: the worker hands this requests and never imports this module)."""
@@ -223,6 +241,8 @@ class Executor:
         code = self.process.exitcode
         if code is None:
             return "it broke the protocol"
+        if code == MAIN_NOT_GUARDED:
+            return NOT_GUARDED
         if code == -signal.SIGKILL:
             return "it was killed (out of memory?)"
         if code < 0:

@@ -134,6 +134,7 @@ class Session:
         self.held: dict[int, list[tuple[str, tuple[dict | None, float, bytes]]]] = {}
         self._held_numbers: set[int] = set()  # the id numbers of the runs held
         self.busy = False  # a request is queued or running
+        self.busy_seconds = 0.0  # spent serving its requests since its last stats reset
         self.serving = False  # a thread serves the queue (running, or waiting for more)
         self.closed = False
         self.last_seen = time.monotonic()

@@ -122,6 +122,7 @@ class Worker:
         # fails at once instead of after recv_timeout, even if its client's abort was lost.
         self.peer_alive = peer_alive
         self.sessions: dict[str, Session] = {}
+        self.busy_seconds = 0.0  # spent serving requests, all sessions together
         self.ended = EndedSessions()  # (under _lock)
         self.left = EndedSessions()  # sessions ended by their bye (under _lock)
         self._left_why = f"this session ended at its client's bye to worker {name}"
@@ -514,6 +515,7 @@ class Worker:
                 msg, arrived, payload = session.queue.popleft()
                 session.queued_bytes -= len(payload)
                 self.budget.release(session.peer, len(payload) + QUEUED_BYTES)
+            started = time.monotonic()
             try:
                 if msg is None:
                     msg = wire.decode(payload)  # (checked when it arrived)
@@ -521,6 +523,11 @@ class Worker:
             except Exception as e:  # a bug must not take the worker down
                 log.exception("%s: failed to serve a request of %s", self.name, session.key)
                 self._answer_failure(session, msg, e)
+            finally:  # (a recv waiting on another worker counts: the session holds it)
+                if msg is not None and msg.get("kind") not in ("stats", "ping"):
+                    served = time.monotonic() - started
+                    session.busy_seconds += served
+                    self.busy_seconds += served
 
     def _answer_failure(self, session: Session, msg: dict | None, error: Exception) -> None:
         """Reply with an error to a request whose serving failed unexpectedly, unless it was
@@ -618,9 +625,11 @@ class Worker:
     def _with_traffic(self, session: Session, rid: str, reply: bytes, reset: bool) -> bytes:
         body = wire.decode(reply)
         if body.get("ok"):
-            body.update(messages=session.traffic.messages, bytes=session.traffic.bytes)
+            body.update(messages=session.traffic.messages, bytes=session.traffic.bytes,
+                        busy_seconds=session.busy_seconds)  # fmt: skip
             if reset:
                 session.traffic.reset()
+                session.busy_seconds = 0.0
         return wire.encode(body)
 
     def _error_reply(self, rid: str, error: Exception) -> bytes:

@@ -92,15 +92,19 @@ class WorkerProcess:
 
 
 def start_workers(
-    nodes: list[tuple[NodeInfo, str]], log_dir: Path, lease: float | None = None
+    nodes: list[tuple[NodeInfo, str]],
+    log_dir: Path,
+    lease: float | None = None,
+    options: list[str] = (),
 ) -> list[WorkerProcess]:
-    """Start one worker per (node, name) and wait until each announces itself."""
+    """Start one worker per (node, name) and wait until each announces itself (`options`:
+    more `gridgraph worker` flags)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     workers = [
         WorkerProcess(
             name,
             node,
-            spawn_worker(node.api, name, log_dir / f"{name}.log", lease=lease),
+            spawn_worker(node.api, name, log_dir / f"{name}.log", lease=lease, options=options),
             log_dir / f"{name}.log",
         )
         for node, name in nodes
@@ -109,7 +113,7 @@ def start_workers(
         discover(
             nodes[0][0].api,
             names=[w.name for w in workers],
-            timeout=60,
+            timeout=120,  # (workers announce once their executors' forkserver is up)
             procs=[w.proc for w in workers],
         )
     except BaseException as error:

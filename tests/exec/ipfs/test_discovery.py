@@ -90,3 +90,38 @@ def test_claims_by_untrusted_or_rival_peers_are_remembered_boundedly(caplog):
         announce(directory, identity("12D3KooWflood"), "bad name " + "x" * (512 << 10))
     assert "bad worker name" in caplog.text
     assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
+def test_a_mistyped_worker_name_fails_fast_saying_did_you_mean():
+    directory = Directory()
+    for name in ("w1", "worker1"):
+        announce(directory, identity("12D3KooWgood"), name)
+    start = time.monotonic()
+    try:
+        directory.wait(names=["W1", "wokrer1"], timeout=60)
+    except discovery.GridError as e:
+        error = str(e)
+    took = time.monotonic() - start
+    assert took < discovery.TYPO_AFTER + 1  # before: the whole 60 s
+    assert "did you mean 'w1', 'worker1'?" in error and "'W1', 'wokrer1'" in error
+
+
+def test_a_name_that_may_still_be_starting_is_waited_for_then_suggested():
+    directory = Directory()
+    announce(directory, identity("12D3KooWgood"), "worker1")
+    start = time.monotonic()
+    try:
+        directory.wait(names=["worker2"], timeout=3)  # a sibling, not a typo
+    except discovery.GridError as e:
+        error = str(e)
+    assert time.monotonic() - start >= 3
+    assert "Did you mean 'worker1' for 'worker2'?" in error
+
+
+def test_typo_of_points_at_typos_not_at_siblings():
+    live = ["w0", "w1", "worker1", "node-a"]
+    typos = {"W1": "w1", "wokrer1": "worker1", "wrker1": "worker1", "node_a": "node-a"}
+    for name, meant in typos.items():
+        assert discovery.typo_of(name, live) == meant, name
+    for sibling in ("w2", "w10", "w01", "worker2", "node-b", "wk"):
+        assert discovery.typo_of(sibling, live) is None, sibling

@@ -496,8 +496,12 @@ def test_worker_refuses_a_name_already_taken(kubo_nodes, ipfs_workers, tmp_path)
 def test_cli_starts_and_stops_a_swarm(kubo_nodes, tmp_path, capsys):
     assert main(["ipfs", "up", "--nodes", "1", "--root", str(tmp_path)]) == 0
     try:
-        [api] = capsys.readouterr().out.split()
-        assert api.startswith("/ip4/127.0.0.1/tcp/") and Kubo(api).id()
+        out = capsys.readouterr().out  # labelled addresses, then what to run next
+        [(api, peer)] = re.findall(r"node0  api (/ip4/127\.0\.0\.1/tcp/\d+)  peer (\S+)", out)
+        assert Kubo(api).id() == peer
+        assert f"gridgraph worker --ipfs {api} --name w0" in out
+        assert f"gridgraph status --ipfs {api}" in out
+        assert f"gridgraph ipfs down --root {tmp_path}" in out
     finally:
         assert main(["ipfs", "down", "--root", str(tmp_path)]) == 0
     assert "stopped 1 ipfs daemon" in capsys.readouterr().out
@@ -511,3 +515,24 @@ def test_cli_worker_without_a_node_says_so(capsys):
 def test_cli_id_prints_the_nodes_peer_id(kubo_nodes, capsys):
     assert main(["id", "--ipfs", kubo_nodes[1].api]) == 0
     assert capsys.readouterr().out.strip() == kubo_nodes[1].peer_id
+
+
+def test_cli_status_lists_the_workers_a_client_would_see(
+    kubo_nodes, ipfs_workers, tmp_path, capsys
+):
+    trust = tmp_path / "trust.txt"
+    trust.write_text(f"w0 {kubo_nodes[0].peer_id}\n")  # w1 and w2 are not trusted
+    api = kubo_nodes[0].api.rsplit("/", 1)[1]
+    assert main(["status", "--ipfs", f"http://127.0.0.1:{api}", "--trust", str(trust)]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert header.split() == "NAME PEER ID TRUSTED LEASE SESSIONS MEMORY MAX MESSAGE LOAD".split()
+    by_name = {row.split()[0]: row.split() for row in rows}
+    assert {"w0", "w1", "w2"} <= by_name.keys()
+    for node, name in zip(kubo_nodes, ["w0", "w1", "w2"]):
+        row = by_name[name]
+        assert row[1] == node.peer_id and row[2] == ("yes" if name == "w0" else "no")
+        assert row[3:5] == ["300", "s"] and row[5].isdigit()  # lease, sessions
+        assert row[6:11] == [row[6], row[7], "/", "4.0", "GiB"]  # held / what a client may hold
+        assert row[11:13] == ["256.0", "MiB"] and float(row[13]) >= 0  # message limit, load
+    assert main(["status", "--ipfs", kubo_nodes[0].api, "--wait", "0.5"]) == 0
+    assert "open grid" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from gridgraph.exec.ipfs.kubo import (
     Kubo,
     KuboError,
     PubsubMessage,
+    api_multiaddr,
 )
 from gridgraph.exec.transport import NotSent
 
@@ -212,3 +213,13 @@ def test_a_publish_refused_every_time_is_reported_as_not_sent(monkeypatch):
     with pytest.raises(KuboError) as other:
         kubo.pubsub_pub("topic", b"x")
     assert not isinstance(other.value, NotSent)  # any other failure is raised as it is
+
+
+def test_an_http_url_is_taken_as_the_api_multiaddr(kubo_nodes):
+    api = kubo_nodes[0].api  # /ip4/127.0.0.1/tcp/PORT
+    port = api.rsplit("/", 1)[1]
+    assert api_multiaddr(f"http://127.0.0.1:{port}") == api
+    assert Kubo(f"http://127.0.0.1:{port}").id() == kubo_nodes[0].peer_id
+    for wrong in ("https://127.0.0.1:5001", "http://127.0.0.1", "/ip4/127.0.0.1/5001"):
+        with pytest.raises(ValueError, match="multiaddr, as `/ip4/127.0.0.1/tcp/5001`"):
+            Kubo(wrong)  # before: ipfshttpclient's raw AddressError

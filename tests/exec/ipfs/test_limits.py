@@ -22,6 +22,7 @@ import torch
 import gridgraph as gg
 from gridgraph.exec.ipfs.discovery import discover
 from gridgraph.exec.ipfs.swarm import stop_worker
+from tests.exec.ipfs.fixtures import start_workers, stop_all
 
 pytestmark = pytest.mark.ipfs
 
@@ -99,3 +100,38 @@ def test_one_client_breaking_its_limits_does_not_stall_the_other(kubo_nodes, lim
         print(f"steady client: {len(stalls)} computations, p95 {p95:.3f} s, max {worst:.3f} s")
         assert p95 < 1.0 and worst < 3.0
     assert all(proc.poll() is None for proc in limited_workers)
+
+
+def test_a_send_over_a_workers_message_limit_goes_in_pieces_and_nothing_is_dropped(
+    kubo_nodes, tmp_path
+):
+    # A 320 MB send to a worker reading at most 256 MiB hung for ever: the worker dropped
+    # it unread, 151 times, while each resend uploaded it again. Here at a smaller scale.
+    [small] = start_workers(
+        [(kubo_nodes[1], "small")], tmp_path, options=["--max-message-size", "2MiB"]
+    )
+    try:
+        # It announced itself only once it could serve: its executors' forkserver has torch.
+        children = Path(f"/proc/{small.proc.pid}/task/{small.proc.pid}/children").read_text()
+        maps = [Path(f"/proc/{pid}/maps").read_text() for pid in children.split()]
+        assert any("libtorch_cpu" in m for m in maps), children
+        with gg.connect(ipfs=kubo_nodes[0].api, workers=["small"], timeout=30) as grid:
+            [w] = grid.workers
+            limit = grid.client.requests.message_limit("small")
+            assert 1.9 * 2**20 < limit < 2 * 2**20  # announced, less the sealing's tags
+            a = torch.randn(3, 700, 1000)  # 8.4 MB: five pieces
+            b = torch.arange(5.0)
+            start = time.monotonic()
+            p, q = grid.send_many([a, b], w)
+            assert torch.equal(p.get(), a) and torch.equal(q.get(), b)
+            assert time.monotonic() - start < 60
+            local = torch.randn(600_000)  # 2.4 MB of local tensor mixed into an op
+            start = time.monotonic()
+            with pytest.raises(gg.GridError, match="over the 2.0 MiB worker 'small' reads"):
+                (p.reshape(-1)[:600_000] + local).sum().get()
+            assert time.monotonic() - start < 5  # refused before it was sent
+            total = p.reshape(-1)[:600_000] + local.send(w)  # sent first: it works
+            torch.testing.assert_close(total.get(), a.reshape(-1)[:600_000] + local)
+        assert "over this worker's" not in small.log_tail(100_000)  # nothing dropped unread
+    finally:
+        stop_all([small])
