@@ -115,6 +115,7 @@ class Session:
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
         # the process running its programs (isolation/executor.py), if any
         self.executor: Any = None
+        self.starting = False  # its executor is being started (it holds a place: shares.py)
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self.seeded = False  # a seed request came: its random stream is its own (shares.py)
         self._reply_bytes = 0

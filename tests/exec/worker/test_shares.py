@@ -73,3 +73,22 @@ def test_a_session_storing_only_empty_tensors_keeps_its_place():
         assert torch.equal((x + 1).get(), torch.arange(4.0) + 1)
         for peer in (hoarder, late):
             peer.close()
+
+
+def test_a_peer_starting_many_sessions_at_once_gets_no_more_than_its_share():
+    """Each first request is served on its session's own thread, and an executor takes a
+    while to start: places being started count, or all of them pass the share check at
+    once."""
+    limits = Limits(max_executors=8, sessions_per_peer=8)
+    with gg.local_grid(1, limits=limits, isolate=True) as grid:
+        worker, hoarder = grid.local_workers[0], Peer(grid, "hoarder")
+        put = {"kind": "put", "values": [[1, torch.ones(4)]]}
+        rids = [hoarder.send("w0", {**put, "session": s}) for s in "abcdefgh"]  # at once
+        replies = {}
+        while len(replies) < len(rids):  # (in any order: `reply` drops the others')
+            reply = hoarder.replies.get(timeout=60)
+            replies[reply["re"]] = reply
+        replies = list(replies.values())
+        started = [s for s in worker.sessions.values() if s.executor is not None]
+        assert len(started) == sum(r["ok"] for r in replies) <= 4, replies  # 8 // (1 + 1)
+        hoarder.close()
