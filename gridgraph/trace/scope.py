@@ -55,7 +55,7 @@ def label_module(module: torch.nn.Module, prefix: str = "") -> None:
         label = f"{name} ({type(m).__name__})" if name else type(m).__name__
         if getattr(m, "_gg_scope", None) is None:
             m.register_forward_pre_hook(_enter)
-            m.register_forward_hook(_leave)
+            m.register_forward_hook(_leave, always_call=True)  # (a forward that raises too)
         m._gg_scope = label
         m._gg_owns = any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))
 

@@ -59,3 +59,30 @@ def test_labelling_again_relabels_without_hooking_twice():
     scope.label_module(layer, "second")
     assert (len(layer._forward_hooks), len(layer._forward_pre_hooks)) == (1, 1)
     assert layer._gg_scope == "second (Linear)"
+
+
+class Fails(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ torch.ones(3, 3)  # a shape error, as one makes in a notebook
+
+
+def test_a_forward_that_raises_leaves_no_module_call_open(local_grid):
+    model = Fails()
+    model.send(local_grid.workers[0])
+    x = torch.randn(3, 4).send(local_grid.workers[0])
+    try:
+        with gg.trace():
+            model(x)
+    except Exception:
+        pass
+    with gg.trace():
+        (x * 2).sum()  # outside any module: no module call's label
+    after = [
+        (op, s) for op, s in _scopes(local_grid.client.graph) if op in ("aten::mul", "aten::sum")
+    ]
+    assert after == [("aten::mul", None), ("aten::sum", None)]
+    assert scope._running[0] == 0
