@@ -86,3 +86,22 @@ def test_a_forward_that_raises_leaves_no_module_call_open(local_grid):
     ]
     assert after == [("aten::mul", None), ("aten::sum", None)]
     assert scope._running[0] == 0
+
+
+class ByKeyword(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, *, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(h)
+
+
+def test_a_module_called_by_keyword_labels_only_its_own_backward(local_grid):
+    model = ByKeyword()
+    model.send(local_grid.workers[0])
+    w = torch.randn(3, 4, requires_grad=True).send(local_grid.workers[0])
+    with gg.trace():
+        model(h=torch.relu(w)).sum().backward()  # relu: the user's, before the module
+    backward = [s for op, s in _scopes(local_grid.client.graph) if op == "aten::threshold_backward"]
+    assert backward == [None]
