@@ -103,6 +103,7 @@ class Session:
         # What the worker charges `peer` in its memory budget (budget.py), and gives back.
         self.charge: Callable[[int], bool] = lambda nbytes: True
         self.release: Callable[[int], None] = lambda nbytes: None
+        self.fits: Callable[[int], bool] = lambda nbytes: True  # (would it be charged now)
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         # (request, or None until served if it came while others waited; arrival; payload)
@@ -176,6 +177,8 @@ class Session:
         self.release(len(old))
         room = None if cap is None else cap - (self.memory() - self._sent_bytes)
         if room is not None and len(payload) > room:
+            return
+        if not self.fits(len(payload) - self._sent_bytes):  # (not even with none kept)
             return
         while not self.charge(len(payload)):
             if not self.sent:

@@ -347,6 +347,7 @@ class Worker:
                 session.release_stray = self._release_stray
                 session.charge = lambda nbytes: self.budget.charge(peer, nbytes)
                 session.release = lambda nbytes: self.budget.release(peer, nbytes)
+                session.fits = lambda nbytes: self.budget.fits(peer, nbytes)
             session.opened_by = opened_by
             return session
 
