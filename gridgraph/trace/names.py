@@ -3,7 +3,8 @@
 No state. At a send we look at the user's own line of code (the first frame outside gridgraph
 and torch) once, and only where it is plain enough to read without guessing:
 
-- `x = torch.randn(8, 4).send(w0)` (one send on the line, one name assigned): `x`;
+- `x = torch.randn(8, 4).send(w0)` (one send on the line, one name assigned, the send not
+  inside another call or brackets): `x`;
 - else a local variable bound to the very tensor sent (`X.send(w0)`): `X`;
 - a module's parameter names (`named_parameters`) get the prefix of what the line sends:
   `features.send(w0)` gives `features.0.weight`, `model[2].send(w1)` `model[2].weight`,
@@ -43,6 +44,12 @@ def _one_send(line: str) -> bool:
     return line.count("send(") == 1
 
 
+def _outermost(before: str) -> bool:
+    """Whether a send whose line reads `before` between `=` and it is not inside another
+    call, list or other brackets (`x = f(t.send(w))` names what f returns, not the send)."""
+    return all(before.count(o) == before.count(c) for o, c in ("()", "[]", "{}"))
+
+
 def tensor_name(tensor: Any) -> str | None:
     """The name the user's line gives the tensor it sends, if it is plain to see.
 
@@ -53,7 +60,7 @@ def tensor_name(tensor: Any) -> str | None:
         return None
     line = _line(frame)
     assigned = _ASSIGNED.match(line)
-    if assigned and _one_send(line):
+    if assigned and _one_send(line) and _outermost(line[assigned.end() : line.find("send(")]):
         return assigned.group(1)
     for name, value in frame.f_locals.items():
         if value is tensor and not name.startswith("_"):

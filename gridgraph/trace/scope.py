@@ -55,7 +55,8 @@ def label_module(module: torch.nn.Module, prefix: str = "") -> None:
         label = f"{name} ({type(m).__name__})" if name else type(m).__name__
         if getattr(m, "_gg_scope", None) is None:
             m.register_forward_pre_hook(_enter)
-            m.register_forward_hook(_leave)
+            # (run however forward ends; its keyword inputs bound the autograd walk too)
+            m.register_forward_hook(_leave, with_kwargs=True, always_call=True)
         m._gg_scope = label
         m._gg_owns = any(t is not None for t in (*m._parameters.values(), *m._buffers.values()))
 
@@ -68,12 +69,12 @@ def _enter(module: torch.nn.Module, args: Any) -> None:
         _running[0] += 1
 
 
-def _leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+def _leave(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
     stack = _state.__dict__.get("stack")
     label = stack.pop() if stack else (module._gg_scope, 0, module._gg_owns)
     with _running_lock:
         _running[0] = max(0, _running[0] - 1)
-    inputs = {t.grad_fn for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+    inputs = {t.grad_fn for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
     seen: set = set()
     while todo:  # the autograd nodes this call made: from its outputs back to its inputs

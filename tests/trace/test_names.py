@@ -100,3 +100,13 @@ def test_worker_lost_lists_the_tensors_it_held_by_name(local_grid, monkeypatch):
     lost = info.value.values
     assert any(v.startswith("weight (2, 3)") for v in lost), lost
     assert any(v.startswith("bias (2,)") for v in lost), lost
+
+
+def test_a_send_inside_a_larger_expression_is_not_called_by_what_the_line_assigns(local_grid):
+    w0 = local_grid.workers[0]
+    graph = local_grid.client.graph
+    doubled = torch.mul(torch.ones(3).send(w0), 2)  # `doubled` is the product, not the input
+    sent = [t.send(w0) for t in [torch.zeros(2)]]  # `sent` is the list
+    names = {graph.user_name(v) for v in graph.values}
+    assert "doubled" not in names and "sent" not in names, names
+    assert graph.label(sent[0]._vid) != "sent" and graph.user_name(doubled._vid) is None

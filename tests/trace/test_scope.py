@@ -59,3 +59,49 @@ def test_labelling_again_relabels_without_hooking_twice():
     scope.label_module(layer, "second")
     assert (len(layer._forward_hooks), len(layer._forward_pre_hooks)) == (1, 1)
     assert layer._gg_scope == "second (Linear)"
+
+
+class Fails(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) @ torch.ones(3, 3)  # a shape error, as one makes in a notebook
+
+
+def test_a_forward_that_raises_leaves_no_module_call_open(local_grid):
+    model = Fails()
+    model.send(local_grid.workers[0])
+    x = torch.randn(3, 4).send(local_grid.workers[0])
+    try:
+        with gg.trace():
+            model(x)
+    except Exception:
+        pass
+    with gg.trace():
+        (x * 2).sum()  # outside any module: no module call's label
+    after = [
+        (op, s) for op, s in _scopes(local_grid.client.graph) if op in ("aten::mul", "aten::sum")
+    ]
+    assert after == [("aten::mul", None), ("aten::sum", None)]
+    assert scope._running[0] == 0
+
+
+class ByKeyword(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, *, h: torch.Tensor) -> torch.Tensor:
+        return self.inner(h)
+
+
+def test_a_module_called_by_keyword_labels_only_its_own_backward(local_grid):
+    model = ByKeyword()
+    model.send(local_grid.workers[0])
+    w = torch.randn(3, 4, requires_grad=True).send(local_grid.workers[0])
+    with gg.trace():
+        model(h=torch.relu(w)).sum().backward()  # relu: the user's, before the module
+    backward = [s for op, s in _scopes(local_grid.client.graph) if op == "aten::threshold_backward"]
+    assert backward == [None]

@@ -581,9 +581,19 @@ class _Replay:
                     "constant. torch.optim.Adam computes its bias correction from a step "
                     "counter in Python: it cannot be replayed; SGD (with momentum) can."
                 )
+
+        # A changed argument equal to a taken one in both recordings (two param groups' lr
+        # on one schedule): the ops that read it took the other; it must stay equal to it.
+        def equal(i: int, j: int) -> bool:
+            return same(previous.args[i], previous.args[j]) and same(rec.args[i], rec.args[j])
+
+        self.tied = [(j, i) for j in sorted(changed - used)
+                     for i in [next((i for i in sorted(used) if equal(i, j)), None)]
+                     if i is not None]  # fmt: skip
         # Float and tensor arguments the ops do not take as they are: frozen.
+        tied = {j for j, _ in self.tied}
         self.fixed = [(i, rec.args[i]) for i, a in enumerate(rec.args)
-                      if a is not None and i not in used]  # fmt: skip
+                      if a is not None and i not in used and i not in tied]  # fmt: skip
         # Constant local tensors that are one tensor of the user's in both recordings (a
         # closure's): sent as they are at each call, as torch would read them then.
         taken = {k for k, _, _ in self.from_args}  # (a closure's tensor, below)
@@ -608,6 +618,13 @@ class _Replay:
                 return (
                     f"{self.describe(i)} is {show(snapshot(flat[i]))}, was {show(snap)}; it "
                     "was the same in the two recordings, so the replay took it as a constant"
+                )
+        for j, i in self.tied:
+            if not same(snapshot(flat[j]), snapshot(flat[i])):
+                return (
+                    f"{self.describe(j)} is {show(snapshot(flat[j]))} and {self.describe(i)} "
+                    f"{show(snapshot(flat[i]))}: they were equal in the two recordings, so the "
+                    "replay read one for both"
                 )
         for _, src, meta in self.sources:
             if TensorMeta.of(as_sent(src)) != meta:

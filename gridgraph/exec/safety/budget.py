@@ -7,7 +7,8 @@ Policy: whatever a peer makes a worker's network process hold (its requests wait
 and their records, transfers no run of the receiving session named, block payloads being
 fetched, and whatever else a caller charges) is charged to that peer before it is kept, and
 released when it goes. A charge is granted only if the peer stays within its share,
-`cap // shares` (`Limits.peer_shares`), and the total within `cap`; else nothing is charged,
+`cap // shares` (`Limits.peer_shares`; under the default cap, at least one largest message:
+`MemoryBudget.of`), and the total within `cap`; else nothing is charged,
 and the caller refuses what it would have kept (`refusal` says which limit, and what to do).
 A fixed share, not first come: however much fewer than `shares` peers send, every other
 peer keeps its share.
@@ -22,7 +23,15 @@ from __future__ import annotations
 import logging
 import threading
 
-from gridgraph.exec.safety.limits import LimitExceeded, Limits, format_size
+from gridgraph.exec.safety.limits import (
+    MACHINE_PART,
+    RECORD_BYTES,
+    TRANSFER_BYTES,
+    LimitExceeded,
+    Limits,
+    format_size,
+    machine_memory,
+)
 
 log = logging.getLogger("gridgraph.worker")
 
@@ -51,22 +60,30 @@ class MemoryBudget:
             ...  # keep it; budget.release(peer, len(payload)) once it goes
     """
 
-    def __init__(self, cap: int | None, shares: int = 16) -> None:
+    def __init__(self, cap: int | None, shares: int = 16, least: int = 0) -> None:
         if cap is not None and cap <= 0:
             raise ValueError(f"a worker's memory cap must be positive, got {cap}")
         if shares < 1:
             raise ValueError(f"a memory budget needs at least one share, got {shares}")
         self.cap, self.shares = cap, shares
-        self.share = None if cap is None else cap // shares
+        # (`least`: a share of at least that many bytes, within the cap)
+        self.share = None if cap is None else min(cap, max(cap // shares, least))
         self._held: dict[str, int] = {}
         self._total = 0
         self._lock = threading.Lock()
 
     @classmethod
     def of(cls, limits: Limits) -> MemoryBudget:
-        """The budget `limits` grant (max_worker_memory, peer_shares); a warning if a peer's
-        share is below max_message_bytes (a message that large would be refused)."""
-        budget = cls(limits.max_worker_memory, limits.peer_shares)
+        """The budget `limits` grant (max_worker_memory, peer_shares). Under the default cap
+        (a MACHINE_PART of the machine) a peer's share holds at least one largest message
+        (max_message_bytes and what is kept with it), so that a worker on a small machine
+        takes every message it accepts; fewer peers can then fill the cap. A cap set by hand
+        is taken as given, with a warning if a share is below max_message_bytes (a message
+        that large would be refused; over IPFS dropped unanswered)."""
+        cap, least = limits.max_worker_memory, 0
+        if cap is not None and cap == machine_memory() // MACHINE_PART:
+            least = limits.max_message_bytes + QUEUED_BYTES + RECORD_BYTES + TRANSFER_BYTES
+        budget = cls(cap, limits.peer_shares, least)
         if budget.share is not None and budget.share < limits.max_message_bytes:
             log.warning(
                 "each peer's share of this worker's memory is %s (max_worker_memory / %d), "

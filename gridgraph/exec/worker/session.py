@@ -124,6 +124,7 @@ class Session:
         # What the worker charges `peer` in its memory budget (budget.py), and gives back.
         self.charge: Callable[[int], bool] = lambda nbytes: True
         self.release: Callable[[int], None] = lambda nbytes: None
+        self.fits: Callable[[int], bool] = lambda nbytes: True  # (would it be charged now)
         self.received: OrderedDict[tuple[int, int, str], None] = OrderedDict()
         self.aborted: OrderedDict[Any, None] = OrderedDict()  # runs the client gave up on
         self.aborted_upto = 0  # and every run numbered up to this, if positive (a cancel)
@@ -141,6 +142,7 @@ class Session:
         self.cv = threading.Condition()  # guards inbox, received, aborted, closed
         # the process running its programs (isolation/executor.py), if any
         self.executor: Any = None
+        self.starting = False  # its executor is being started (it holds a place: shares.py)
         self.elsewhere = 0  # bytes the other process (worker or executor) holds for it
         self.seeded = False  # a seed request came: its random stream is its own (shares.py)
         self._reply_bytes = 0
@@ -289,6 +291,8 @@ class Session:
         self.release(len(old))
         room = None if cap is None else cap - (self.memory() - self._sent_bytes)
         if room is not None and len(payload) > room:
+            return
+        if not self.fits(len(payload) - self._sent_bytes):  # (not even with none kept)
             return
         while not self.charge(len(payload)):
             if not self.sent:

@@ -1,7 +1,9 @@
 """A worker's executor places, shared fairly among its peers rather than first come.
 
 State: none of its own. Who holds a place is read from the worker's sessions: a session
-holds one while its executor process lives (`Session.executor`).
+holds one while its executor process lives (`Session.executor`) or is being started
+(`Session.starting`, set under the worker's lock on places, so that sessions starting at
+once are counted against their peer's share).
 
 Policy (`make_place`, before a session starts its executor):
 - a peer may take a place while it holds fewer than its fair share of `max_executors`
@@ -57,7 +59,8 @@ def make_place(session: Session, sessions: list[Session], places: int) -> None:
 
 
 def _holds_place(session: Session) -> bool:
-    return session.executor is not None and session.executor.lost is None
+    """Whether `session` holds a place: its executor lives, or is being started."""
+    return session.starting or session.executor is not None and session.executor.lost is None
 
 
 def _give_up_place(session: Session) -> bool:

@@ -2,7 +2,9 @@
 
 Each session has a store of its own (see session.py), so a client can only ever name its own
 tensors: no id it sends can reach another client's. The store counts the bytes of the
-distinct storages it holds as tensors come and go, so a memory check costs nothing.
+distinct storages it holds as tensors come and go, so a memory check costs nothing. An
+empty storage counts as one byte: a session that stores anything holds some memory (an
+executor place is given up only by a session that holds none, shares.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class ObjectStore:
         if vid in self._objects:
             self.free(vid)
         storage = tensor.untyped_storage()
-        key, nbytes = storage._cdata, storage.nbytes()
+        key, nbytes = storage._cdata, _size(storage)
         entry = self._storages.get(key)
         if entry is None:
             self._storages[key] = [nbytes, 1]
@@ -42,9 +44,9 @@ class ObjectStore:
         grows a storage in place, and the growth is held whether or not its run goes on."""
         storage = tensor.untyped_storage()
         entry = self._storages.get(storage._cdata)
-        if entry is not None and entry[0] != storage.nbytes():
-            self.stored_bytes += storage.nbytes() - entry[0]
-            entry[0] = storage.nbytes()
+        if entry is not None and entry[0] != _size(storage):
+            self.stored_bytes += _size(storage) - entry[0]
+            entry[0] = _size(storage)
 
     def get(self, vid: int) -> torch.Tensor:
         try:
@@ -86,3 +88,8 @@ class ObjectStore:
 
     def __len__(self) -> int:
         return len(self._objects)
+
+
+def _size(storage: torch.UntypedStorage) -> int:
+    """Bytes a storage is counted for: its own, at least one (see the module docstring)."""
+    return max(storage.nbytes(), 1)

@@ -131,6 +131,7 @@ class Worker:
         # A transfer no run of its session named is charged to its sender, not the session.
         self.budget = budget or MemoryBudget.of(self.limits)
         self._lock = threading.Lock()  # guards sessions
+        self._places = threading.Lock()  # one session at a time takes an executor place
         self._rate = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
         # are dropped unanswered (each refusal is a message from the one sender thread).
@@ -366,6 +367,7 @@ class Worker:
                 session.release_stray = self._release_stray
                 session.charge = lambda nbytes: self.budget.charge(peer, nbytes)
                 session.release = lambda nbytes: self.budget.release(peer, nbytes)
+                session.fits = lambda nbytes: self.budget.fits(peer, nbytes)
             session.opened_by = opened_by
             return session
 
@@ -574,16 +576,21 @@ class Worker:
         else:
             try:
                 if session.executor is None:  # a place within its peer's fair share (shares.py)
-                    with self._lock:
-                        sessions = list(self.sessions.values())
-                    make_place(session, sessions, self.limits.max_executors)
-                    session.executor = self.isolation.start(
-                        self.name,
-                        session.key,
-                        self.limits,
-                        self.recv_timeout,
-                        self._executor_places,
-                    )
+                    with self._places:  # (a place being started counts as held)
+                        with self._lock:
+                            sessions = list(self.sessions.values())
+                        make_place(session, sessions, self.limits.max_executors)
+                        session.starting = True
+                    try:
+                        session.executor = self.isolation.start(
+                            self.name,
+                            session.key,
+                            self.limits,
+                            self.recv_timeout,
+                            self._executor_places,
+                        )
+                    finally:
+                        session.starting = False
                 held = session.memory() - session.elsewhere
                 reply = session.executor.request(payload, held, self, session)
             except LimitExceeded as e:  # no executor to be had: the worker runs its maximum

@@ -631,3 +631,33 @@ def _line(text: str) -> int:
         if text in line and "_line(" not in line.replace(text, ""):
             return i
     raise AssertionError(text)
+
+
+def test_two_learning_rates_equal_while_recorded_are_each_read_when_they_part(local_grid):
+    """Two param groups with one schedule (weight decay on one only, as transformers are
+    trained): their lr are equal in both recordings. The step replays, and reads each
+    group's own lr once they part (here the user raises one)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = copy.deepcopy(ref).send(local_grid.workers[0])
+
+    def groups(m):
+        return [{"params": m[0].parameters(), "weight_decay": 0.01}, {"params": m[2].parameters()}]
+
+    opt = torch.optim.SGD(groups(model), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(groups(ref), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=20)
+    X, Y = torch.randn(16, 6), torch.randn(16, 1)
+    x, y = X.send(local_grid.workers[1]), Y.send(local_grid.workers[1])
+    step = gg.compile(lambda x, y: train_step(model, opt, x, y))
+    for i in range(16):
+        if i == 10:  # the head's group only: the groups' lr part
+            for o in (opt, ref_opt):
+                o.param_groups[1]["lr"] *= 10
+        assert step(x, y).item() == train_step(ref, ref_opt, X, Y).item()
+        sched.step(), ref_sched.step()
+        if i == 9:
+            assert (step.recordings, step.replays) == (3, 7)  # as with one group
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.get(), q.detach())

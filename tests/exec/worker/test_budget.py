@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import gridgraph as gg
-from gridgraph.exec.safety.budget import MemoryBudget
-from gridgraph.exec.safety.limits import TRANSFER_BYTES, Limits, machine_memory
+from gridgraph.exec.safety import budget as budget_module
+from gridgraph.exec.safety.budget import QUEUED_BYTES, MemoryBudget
+from gridgraph.exec.safety.limits import RECORD_BYTES, TRANSFER_BYTES, GiB, Limits, machine_memory
 from tests.exec.hostile import run
 from tests.exec.local_peer import Peer
 from tests.exec.worker.arena import local_arena
@@ -136,3 +137,17 @@ def test_a_worker_whose_shares_are_under_its_largest_message_says_so(caplog):
     [warning] = caplog.records
     text = warning.getMessage()
     assert "4.0 MiB" in text and "16.0 MiB" in text and "--max-worker-memory to 256.0 MiB" in text
+
+
+def test_on_a_small_machine_the_default_share_takes_the_largest_message(monkeypatch, caplog):
+    """8 GiB: the default cap is 2 GiB, cap / 16 = 128 MiB, under the 256 MiB max_message_bytes;
+    a peer's share is raised to hold one such message (the cap still bounds all peers)."""
+    monkeypatch.setattr(budget_module, "machine_memory", lambda: 8 * GiB)
+    limits = Limits(max_worker_memory=8 * GiB // 4)  # what Limits() makes on that machine
+    budget = MemoryBudget.of(limits)
+    assert budget.cap == 2 * GiB and not caplog.records
+    message = limits.max_message_bytes
+    assert budget.charge("alice", message + QUEUED_BYTES + RECORD_BYTES)  # a whole request
+    assert not budget.charge("alice", budget.share)  # still one share, within the cap
+    hand_set = MemoryBudget.of(Limits(max_worker_memory=1 * GiB))  # set by hand: as given
+    assert hand_set.share == 64 * MiB and "max_message_bytes" in caplog.text

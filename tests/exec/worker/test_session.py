@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import gridgraph as gg
+from gridgraph.exec.safety.budget import MemoryBudget
 from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.worker import prepare, session, worker
 from gridgraph.schedule.program import Call, Param, Slot
@@ -252,3 +253,20 @@ def test_a_transfer_from_another_sender_does_not_take_the_place_of_the_real_one(
     state.deliver(key, "box-1", real)  # a resent copy: used already
     state.deliver(key, "mallory", forged)
     assert state.memory() == 0
+
+
+def test_a_sent_transfer_over_its_peers_share_drops_none_of_those_kept():
+    """One larger than the whole share cannot be kept however many older ones go: they stay
+    (a resend still needs them)."""
+    budget = MemoryBudget(4000, shares=1)
+    kept = session.Session("mallory/s", "mallory")
+    kept.charge = lambda n: budget.charge("mallory", n)
+    kept.release = lambda n: budget.release("mallory", n)
+    kept.fits = lambda n: budget.fits("mallory", n)
+    kept.keep_sent((1, 1, "w1"), "w1-id", b"a" * 1000)
+    kept.keep_sent((2, 1, "w1"), "w1-id", b"b" * 1000)
+    kept.keep_sent((3, 1, "w1"), "w1-id", b"c" * 5000)  # over the 4000-byte share alone
+    assert list(kept.sent) == [(1, 1, "w1"), (2, 1, "w1")]
+    assert budget.held("mallory") == 2000
+    kept.keep_sent((4, 1, "w1"), "w1-id", b"d" * 3000)  # fits once the oldest goes
+    assert list(kept.sent) == [(2, 1, "w1"), (4, 1, "w1")] and budget.held() == 4000

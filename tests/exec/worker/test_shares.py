@@ -52,3 +52,43 @@ def test_a_late_peer_gets_a_place_from_the_peer_holding_most_without_losing_anyt
         assert torch.equal((x + 1).get(), torch.arange(4.0) + 1)
         for peer in (hoarder, keeper, late, later):
             peer.close()
+
+
+def test_a_session_storing_only_empty_tensors_keeps_its_place():
+    """An empty tensor holds no bytes, but it is the client's value: a session storing one
+    is not idle-and-empty, and its executor must not be given to another peer."""
+    with gg.local_grid(1, limits=LIMITS, isolate=True) as grid:
+        hoarder, late = Peer(grid, "hoarder"), Peer(grid, "late")
+        empty = {"kind": "put", "session": "a", "values": [[1, torch.ones(0, 3)]]}
+        assert hoarder.request("w0", empty)["ok"]
+        assert _fork(hoarder, "b", keep=False)["ok"]
+        assert _fork(Peer(grid, "keeper"), "k", keep=True)["ok"]
+        x = torch.arange(4.0).send(grid.workers[0])  # all 4 places held
+        _fork(late, "l", keep=True)  # may take "b"'s place, never "a"'s
+        back = hoarder.request("w0", {"kind": "run", "run": 1, "plan": 1, "slots": [1],
+                                      "params": [], "session": "a",
+                                      "program": [[["return", 0]]]})  # fmt: skip
+        assert back["ok"], back["error"]
+        assert back["returns"][0][1].shape == (0, 3)
+        assert torch.equal((x + 1).get(), torch.arange(4.0) + 1)
+        for peer in (hoarder, late):
+            peer.close()
+
+
+def test_a_peer_starting_many_sessions_at_once_gets_no_more_than_its_share():
+    """Each first request is served on its session's own thread, and an executor takes a
+    while to start: places being started count, or all of them pass the share check at
+    once."""
+    limits = Limits(max_executors=8, sessions_per_peer=8)
+    with gg.local_grid(1, limits=limits, isolate=True) as grid:
+        worker, hoarder = grid.local_workers[0], Peer(grid, "hoarder")
+        put = {"kind": "put", "values": [[1, torch.ones(4)]]}
+        rids = [hoarder.send("w0", {**put, "session": s}) for s in "abcdefgh"]  # at once
+        replies = {}
+        while len(replies) < len(rids):  # (in any order: `reply` drops the others')
+            reply = hoarder.replies.get(timeout=60)
+            replies[reply["re"]] = reply
+        replies = list(replies.values())
+        started = [s for s in worker.sessions.values() if s.executor is not None]
+        assert len(started) == sum(r["ok"] for r in replies) <= 4, replies  # 8 // (1 + 1)
+        hoarder.close()
