@@ -706,6 +706,9 @@ class Worker:
         for `session` (see Host)."""
         return wire.decode(self.wait_transfer(session, key, peer, deadline, ask_after))
 
+    def heed_cancel(self, session: Session) -> None:
+        """(A cancel is in `session` already: `on_message` applied it; see Host.)"""
+
     def wait_transfer(
         self,
         session: Session,
