@@ -125,8 +125,8 @@ class Worker:
         self.ended = EndedSessions()  # (under _lock)
         self.left = EndedSessions()  # sessions ended by their bye (under _lock)
         self._left_why = f"this session ended at its client's bye to worker {name}"
-        # What each peer makes this process hold (queued requests, records, transfers; the
-        # transport's block payloads when it shares this budget), within max_worker_memory.
+        # What each peer makes this process hold (queued requests, records, replies kept,
+        # transfers; the transport's block payloads if it shares this), in max_worker_memory.
         # A transfer no run of its session named is charged to its sender, not the session.
         self.budget = budget or MemoryBudget.of(self.limits)
         self._lock = threading.Lock()  # guards sessions
