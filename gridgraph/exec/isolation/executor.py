@@ -16,6 +16,9 @@ Policy:
   with its forkserver, which exits when the worker dies.
 - time: a program stops between steps at the time limit; an executor still serving
   KILL_GRACE s later is killed (`_Watchdog`).
+- cancel: a client's cancel (`Session.abort`, on the network process's copy of the session)
+  is told the executor in an ["abort"] frame by the thread serving the session (it looks
+  every CANCEL_TICK s while a request runs): its program stops between ops.
 - loss: a crash, kill or time-out ends that session only; its request, and every later one,
   gets an error naming the cause (`gg.SessionLost` on the client).
 - wire: nothing crosses as pickle; every frame an executor sends is checked (`request`), its
@@ -80,6 +83,7 @@ FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
 # past which malloc maps (and unmaps) each buffer.
 READ_SIZE = INLINE_MAX + 1024
 _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
+CANCEL_TICK = 0.05  # while a request runs, how often its server looks for a client's cancel
 
 
 @cache
@@ -160,6 +164,7 @@ class Executor:
             )
         self.places: threading.BoundedSemaphore | None = places
         self.lost, self.max_data = None, data_limits(limits)
+        self.told_upto = 0  # the cancel (`Session.aborted_upto`) the process was told last
         channel = None
         try:
             ctx = _context()
@@ -196,8 +201,13 @@ class Executor:
             self.channel.send(["request", held], payload)
             while True:  # (the limit holds even while frames keep coming)
                 left = kill_at - time.monotonic()
-                if left <= 0 or not self.channel.readable(left):
+                if left <= 0:
                     self._end(_over_time(worker.limits))
+                if session.aborted_upto > self.told_upto:  # (one writer: this thread)
+                    self.told_upto = session.aborted_upto
+                    self.channel.send(["abort", self.told_upto])
+                if not self.channel.readable(min(left, CANCEL_TICK)):
+                    continue
                 frame, data = self.channel.receive(self.max_data)
                 # Every frame is checked: a kernel bug may have handed the client's program
                 # the executor, and then it sends whatever it likes.
@@ -431,6 +441,9 @@ def _recv_frame(frame: list) -> bool:
 #                                                 ask_after: when to ask `peer` to send it
 #                                                 again (run.resend_wait bounds it)
 #     (`peer`: the identity the run's client named for that worker, run.py)
+#     ["abort", upto]                             its client cancelled every run numbered up
+#                                                 to `upto` (any time; never answered): the
+#                                                 executor takes it in between ops
 #     ["exit"]
 
 
@@ -553,11 +566,29 @@ class _ExecutorHost:
         self.channel, self.name = channel, name
         self.limits, self.recv_timeout = limits, recv_timeout
 
+    def next_frame(self, session: Session) -> tuple[list, bytearray | None]:
+        """The next frame from the network process and its data, taking in the cancels
+        (["abort"] frames) that come before it."""
+        while True:
+            frame, data = self.channel.receive({})
+            if frame[0] != "abort":
+                return frame, data
+            _take_cancel(session, frame)
+
+    def heed_cancel(self, session: Session) -> None:
+        """Take in the cancels the network process sent (see run.Host): between ops, the
+        pipe holds nothing else."""
+        while self.channel.readable(0):
+            frame, _ = self.channel.receive({})
+            if frame[0] != "abort":
+                raise ValueError(f"expected a cancel, got {frame!r:.60}")
+            _take_cancel(session, frame)
+
     def transfer(self, session: Session, dst: str, peer: str, msg: dict) -> None:
         data = wire.encode(msg)
         self.channel.send(["transfer", dst, peer, *transfer_key(msg)], data)
         if _in_file(data):  # the shared file is free once the other end read it
-            frame, _ = self.channel.receive({})
+            frame, _ = self.next_frame(session)
             if frame != ["ack"]:
                 raise ValueError(f"expected an ack, got {frame!r:.60}")
 
@@ -572,12 +603,18 @@ class _ExecutorHost:
         run, value, src = key
         seconds = max(0.0, deadline - time.monotonic())
         self.channel.send(["recv", run, value, src, peer, seconds, ask_after])
-        frame, data = self.channel.receive({})
+        frame, data = self.next_frame(session)
         if frame[0] == "recv-ok":
             return wire.decode(data)
         if frame[0] == "recv-error" and frame[1] == "upstream":
             raise UpstreamFailed(str(frame[2]))
         raise TimeoutError(str(frame[2]))
+
+
+def _take_cancel(session: Session, frame: list) -> None:
+    """Apply an ["abort", upto] frame to the executor's copy of the session."""
+    if len(frame) == 2 and type(frame[1]) is int:
+        session.abort(None, frame[1])
 
 
 def _executor_main(
@@ -595,7 +632,7 @@ def _executor_main(
     host = _ExecutorHost(channel, name, limits, recv_timeout)
     while True:
         try:
-            frame, data = channel.receive({})
+            frame, data = host.next_frame(session)
         except EOFError:
             return
         if frame[0] != "request":

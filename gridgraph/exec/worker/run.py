@@ -69,6 +69,10 @@ class Host(Protocol):
         if it has not come after `ask_after` s (bounded by `resend_wait`); raises UpstreamFailed,
         TimeoutError or TimeLimitExceeded."""
 
+    def heed_cancel(self, session: Session) -> None:
+        """Take in a cancel (`Session.abort`) that its client sent since: a program checks
+        between ops, at most every CANCEL_LOOK s (an executor reads it from its pipe)."""
+
 
 class SessionExecutor(Protocol):
     """A process that holds one session's state and runs its requests (isolation/)."""
@@ -107,6 +111,8 @@ log = logging.getLogger("gridgraph.worker")
 # ipfs: PubSub drops messages: a recv waiting this long asks the sender to resend; sooner
 # in a replayed program, whose earlier runs say how long the wait takes (exec/resend.py).
 RESEND_AFTER = 0.5
+# How often a running program looks for a cancel its client sent (`Host.heed_cancel`).
+CANCEL_LOOK = 0.01
 
 
 def resend_wait(seconds: float) -> float:
@@ -349,11 +355,15 @@ class Run:
         returns, dynamic = [], []
         ahead: dict[int, tuple[int, float]] = {}  # footprints worked out after the last recv
         deadline = self.deadline
-        session = self.s
+        session, host, look_at = self.s, self.w, 0.0
         for i, step in enumerate(program.steps):
             try:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeLimitExceeded(limits.max_request_seconds)
+                if now >= look_at:
+                    host.heed_cancel(session)
+                    look_at = now + CANCEL_LOOK
                 if session.aborted_upto and self.run <= session.aborted_upto:  # cancelled:
                     raise UpstreamFailed(
                         f"run {self.run} was cancelled by its client"

@@ -8,7 +8,9 @@ reset any of it:
                (workspace.py; with isolation, the one in its executor process counts)
     records    request id -> its reply once sent: a request id runs at most once. A reply is
                kept until the client acknowledges it (protocol.py, `ack` in each request),
-               within REPLY_BYTES_KEPT a session (past it the oldest go, never the latest);
+               within REPLY_BYTES_KEPT a session and what the peer's memory budget grants
+               (past either the oldest go, never the latest: one the budget cannot take is
+               kept uncharged, `Record.charged`, so that only what was charged is released);
                bare ids for the RECORDS_KEPT latest, and none under the watermark
                `acked_below`: a request under it that has no record is an old copy, refused
                as already served
@@ -24,7 +26,8 @@ reset any of it:
                recorded here or acknowledged, so runs are served in the order they were sent
 
 All of it counts against the session's memory limit (`memory()`); what the worker charged its
-peer in its memory budget (budget.py: records, queue, inbox, sent) goes back through `release`.
+peer in its memory budget (budget.py: records, replies, queue, inbox, sent) goes back through
+`release`.
 All of it goes when the client says `bye` or its lease expires; `EndedSessions` remembers why
 a session ended. How a request is served: run.py.
 """
@@ -84,18 +87,23 @@ OVER_BYTES = (
     f"(REPLY_BYTES_KEPT), and it was the oldest"
 )
 FORGOTTEN = "it was among the oldest of over RECORDS_KEPT requests"
+OVER_BUDGET = (
+    "what its peer may make this worker's network process hold (its share of "
+    "max_worker_memory) was full, and it was the oldest"
+)
 
 
 class Record:
     """What a session remembers of one request: its reply once sent, and when it went out."""
 
-    __slots__ = ("reply", "sent_at", "resent", "dropped")
+    __slots__ = ("reply", "sent_at", "resent", "dropped", "charged")
 
     def __init__(self) -> None:
         self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
         self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
         self.resent = 0  # times the reply was sent again (worker.RESENDS at most)
         self.dropped: str | None = None  # why the reply is no longer kept, once it is not
+        self.charged = False  # its reply's bytes are charged to the peer's memory budget
 
 
 class Session:
@@ -216,13 +224,19 @@ class Session:
                         self._drop_reply(rec, ACKNOWLEDGED)
 
     def replied(self, rec: Record, reply: bytes) -> None:
-        """Keep `reply` for resends until it is acknowledged, within REPLY_BYTES_KEPT: past
-        it the oldest unacknowledged replies go, never this one (a queue of the records
-        that got one, so this costs the same after a million requests)."""
+        """Keep `reply` for resends until it is acknowledged, charged to the peer's memory
+        budget and within REPLY_BYTES_KEPT: past either the oldest unacknowledged replies
+        go, never this one (exactly once needs it; kept uncharged if the budget cannot take
+        it even then). A queue of the records that got one: this costs the same after a
+        million requests."""
         rec.reply = reply
         self._reply_bytes += len(reply)
         self._holding += 1
         self._with_reply.append(rec)
+        rec.charged = self.charge(len(reply))
+        while not rec.charged and self._with_reply[0] is not rec:
+            self._drop_reply(self._with_reply.popleft(), OVER_BUDGET)
+            rec.charged = self.charge(len(reply))
         while self._reply_bytes > REPLY_BYTES_KEPT and self._with_reply[0] is not rec:
             self._drop_reply(self._with_reply.popleft(), OVER_BYTES)
         if len(self._with_reply) > 2 * self._holding + 64:  # most let go of theirs since
@@ -232,6 +246,9 @@ class Session:
         if rec.reply is not None:
             self._reply_bytes -= len(rec.reply)
             self._holding -= 1
+            if rec.charged:
+                self.release(len(rec.reply))
+                rec.charged = False
             rec.reply = None
             rec.dropped = why
 
@@ -413,6 +430,8 @@ class Session:
             held = sum(len(waiting) for waiting in self.held.values())
             self.release(self.queued_bytes + QUEUED_BYTES * (len(self.queue) + held))
             self.release(RECORD_BYTES * len(self.records))
+            for rec in self._with_reply:  # (their replies' charges go back)
+                self._drop_reply(rec, "its session ended")
             self.queue.clear()
             self.held.clear()
             self._held_numbers.clear()

@@ -126,8 +126,8 @@ class Worker:
         self.ended = EndedSessions()  # (under _lock)
         self.left = EndedSessions()  # sessions ended by their bye (under _lock)
         self._left_why = f"this session ended at its client's bye to worker {name}"
-        # What each peer makes this process hold (queued requests, records, transfers; the
-        # transport's block payloads when it shares this budget), within max_worker_memory.
+        # What each peer makes this process hold (queued requests, records, replies kept,
+        # transfers; the transport's block payloads if it shares this), in max_worker_memory.
         # A transfer no run of its session named is charged to its sender, not the session.
         self.budget = budget or MemoryBudget.of(self.limits)
         self._lock = threading.Lock()  # guards sessions
@@ -721,6 +721,9 @@ class Worker:
         """The transfer `key` = (run, value id, sending worker) that identity `peer` sent
         for `session` (see Host)."""
         return wire.decode(self.wait_transfer(session, key, peer, deadline, ask_after))
+
+    def heed_cancel(self, session: Session) -> None:
+        """(A cancel is in `session` already: `on_message` applied it; see Host.)"""
 
     def wait_transfer(
         self,

@@ -262,6 +262,47 @@ def test_grid_cancel_from_another_thread_ends_the_wait_with_the_runs_cancelled()
             y.get()
 
 
+def isolated_grid_running_a_long_program() -> tuple[Grid, gg.RemoteTensor]:
+    """A one-worker grid whose programs run in an executor process (started and warm:
+    under load its start takes seconds), running `long_program`; the pointer it computes."""
+    grid = gg.local_grid(1, isolate=True)
+    warm = torch.ones(2).send(grid.workers[0])
+    assert torch.equal((warm + 1).get(), torch.full((2,), 2.0))  # the executor serves
+    return grid, long_program(grid).compute()
+
+
+def test_ctrl_c_stops_a_program_running_in_an_executor_process():
+    # With isolation (every `gridgraph worker`), the abort reached only the network
+    # process's copy of the session: the program ran on to its end in its executor, and
+    # close after Ctrl-C waited for all of it.
+    grid, y = isolated_grid_running_a_long_program()
+    timer = interrupt_after(0.5)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        y.get()
+    timer.join()
+    interrupted = time.monotonic()
+    assert interrupted - start < 1.5
+    ops = grid.stats()["workers"]["w0"]["ops_run"]  # counted in the executor
+    assert ops < 4001  # stopped between ops (4001: the warm-up's op and all of it)
+    grid.close()
+    assert time.monotonic() - interrupted < 2.0
+    assert not grid.local_workers[0].sessions
+
+
+def test_grid_cancel_stops_a_program_running_in_an_executor_process():
+    grid, y = isolated_grid_running_a_long_program()
+    with grid:
+        threading.Timer(0.5, grid.cancel).start()
+        start = time.monotonic()
+        with pytest.raises(gg.RemoteError, match="cancelled by its client"):
+            grid.sync()
+        assert time.monotonic() - start < 2.0
+        assert grid.stats()["workers"]["w0"]["ops_run"] < 4001
+        x = torch.ones(2).send(grid.workers[0])
+        assert torch.equal((x * 2).get(), torch.full((2,), 2.0))  # later runs run
+
+
 def test_a_run_nobody_answers_times_out_at_the_sync_once():
     bus = DeafBus()
     worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())

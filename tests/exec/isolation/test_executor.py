@@ -149,6 +149,7 @@ def _taken_over() -> tuple[executor.Executor, multiprocessing.connection.Connect
     handle.channel = executor._Channel(network, out=os.memfd_create("d"), into=os.memfd_create("u"))
     handle.process, handle.lost, handle.places, handle.cgroups = _Taken(), None, None, []
     handle.max_data = {"transfer": 1 << 20, "reply": 1 << 20}
+    handle.told_upto = 0
     return handle, taken
 
 
@@ -217,6 +218,26 @@ def test_every_frame_from_a_taken_over_executor_is_checked(frame):
         thread.join(20)
         assert not thread.is_alive() and outcome, "the network process is still serving it"
         assert session.elsewhere == 0 and session.memory() >= 0
+
+
+def test_a_cancel_is_told_the_executor_while_its_request_runs():
+    # The abort reached only the network process's copy of the session; the executor's
+    # program ran on to its end.
+    with gg.local_grid(1) as grid:
+        session = Session("mallory/s", "mallory")
+        handle, taken = _taken_over()
+        thread = threading.Thread(
+            target=handle.request, args=(b"r", 0, grid.local_workers[0], session), daemon=True
+        )
+        thread.start()
+        assert msgpack.unpackb(taken.recv_bytes()) == ["request", 0, b"r"]
+        session.abort(None, upto=7)  # (the transport's thread, at the client's cancel)
+        assert taken.poll(5) and msgpack.unpackb(taken.recv_bytes()) == ["abort", 7]
+        session.abort(None, upto=3)  # (lower: nothing more to say)
+        assert not taken.poll(0.3)
+        taken.send_bytes(msgpack.packb(["reply", 0, b"done"]))
+        thread.join(5)
+        assert not thread.is_alive() and handle.told_upto == 7
 
 
 def test_data_from_an_executor_is_read_only_up_to_what_its_kind_of_frame_may_hold():

@@ -15,6 +15,7 @@ import gridgraph as gg
 from gridgraph.exec.safety import budget as budget_module
 from gridgraph.exec.safety.budget import QUEUED_BYTES, MemoryBudget
 from gridgraph.exec.safety.limits import RECORD_BYTES, TRANSFER_BYTES, GiB, Limits, machine_memory
+from gridgraph.exec.worker import session as session_module
 from tests.exec.hostile import run
 from tests.exec.local_peer import Peer
 from tests.exec.worker.arena import local_arena
@@ -118,6 +119,27 @@ def test_transfers_a_session_sent_are_kept_for_resending_only_within_its_peers_s
         assert 0 < kept <= worker.budget.held("mallory") <= worker.budget.share
         assert 0 < len(session.sent) < 8  # the oldest went first
         assert max(session.sent)[0] == 8  # (key: run, value, worker)
+        assert peer.request("w0", {"kind": "bye"})["ok"]
+        assert worker.budget.held("mallory") == 0
+
+
+def test_replies_kept_for_resending_go_oldest_first_past_the_peers_share():
+    # Replies kept until acknowledged were held whatever the peer's share: a client that
+    # never acknowledges made the network process keep 64 MiB of replies per session.
+    with gg.local_grid(1, limits=Limits(max_worker_memory=16 * MiB)) as grid:  # 1 MiB shares
+        worker, peer = grid.local_workers[0], Peer(grid)
+        assert peer.request("w0", {"kind": "put", "values": [[1, torch.zeros(1 << 16)]]})["ok"]
+        rids = [f"r{i}" for i in range(12)]
+        for i, rid in enumerate(rids):  # 256 KiB each, 3 MiB in all, none acknowledged
+            reply = peer.request("w0", run([["return", 0]], [1], run_id=i + 1), rid=rid)
+            assert torch.equal(reply["returns"][0][1], torch.zeros(1 << 16))
+        session = worker.sessions["mallory/s"]
+        kept = [rid for rid in rids if session.records[rid].reply is not None]
+        assert 0 < len(kept) < 4 and kept == rids[-len(kept) :]  # the oldest went first
+        assert session.records["r0"].dropped == session_module.OVER_BUDGET
+        assert 3 * 256 * 1024 < worker.budget.held("mallory") <= worker.budget.share
+        again = peer.request("w0", run([["return", 0]], [1], run_id=12), rid="r11")
+        assert torch.equal(again["returns"][0][1], torch.zeros(1 << 16))  # the latest: kept
         assert peer.request("w0", {"kind": "bye"})["ok"]
         assert worker.budget.held("mallory") == 0
 

@@ -172,6 +172,40 @@ def test_unacknowledged_replies_are_bounded_by_bytes_the_latest_always_kept(monk
     assert state.memory() == 5000 + session.RECORD_BYTES * 21
 
 
+def test_kept_replies_are_charged_and_one_the_budget_cannot_take_is_kept_uncharged():
+    state = session.Session("peer/s", "peer")
+    held = [0]  # what the peer's budget holds: its records (charged as the worker does)
+
+    def charge(nbytes: int) -> bool:
+        if replies() + nbytes > 250:  # the replies' room in the peer's share
+            return False
+        held[0] += nbytes
+        return True
+
+    def replies() -> int:
+        return held[0] - session.RECORD_BYTES * len(state.records)
+
+    def reply(rid: str, size: int) -> None:
+        held[0] += session.RECORD_BYTES
+        state.replied(state.record(rid), bytes(size))
+
+    state.charge, state.release = charge, lambda nbytes: held.__setitem__(0, held[0] - nbytes)
+    for i in range(1, 6):
+        reply(f"{i:x}", 100)
+    kept = [rid for rid, rec in state.records.items() if rec.reply is not None]
+    assert kept == ["4", "5"] and replies() == 200  # the oldest went for the newest
+    assert state.records["1"].dropped == session.OVER_BUDGET
+    reply("6", 400)  # over the share alone: kept (exactly once needs it), uncharged
+    rec = state.records["6"]
+    assert rec.reply is not None and not rec.charged and replies() == 0
+    reply("7", 50)
+    assert state.records["7"].charged and replies() == 50
+    state.acknowledge({"below": 7})  # releases what was charged, never what was not
+    assert replies() == 50 and len(state.records) == 1
+    state.close()
+    assert held[0] == 0
+
+
 def test_a_malformed_acknowledgement_is_ignored():
     state = session.Session("peer/s", "peer")
     state.replied(state.record("1"), b"x")
