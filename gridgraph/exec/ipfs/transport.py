@@ -9,6 +9,12 @@ the large payloads kept for resending (STORED_KEPT) and ids of those received (D
 Policy:
 - a payload over INLINE_MAX travels as BLOCK_SIZE blocks that its message names: under
   go-libp2p-pubsub's 1 MiB message cap (it drops larger ones silently) and the block cap;
+- nothing is opened before it is worth opening (`_refusal`, on the reader thread): a
+  message from a peer not in `allow` (sealed: not on the discovery topic, unless
+  `closed_discovery`), over its topic's size (MAX_ANNOUNCEMENT on the discovery topic, open
+  to every peer; MAX_ACK on an ack topic: longer lines are not even parsed, kubo.py) or over
+  its node's rate of messages on the topic (DISCOVERY_RATE, MESSAGE_RATE) is dropped, and
+  what is opened is decoded with caps on its containers (wire.unpackb);
 - the reader thread never waits on the network (`_receive`): block payloads are fetched by
   ASSEMBLERS assemblers, at most PENDING_PER_PEER for one sending peer (more are dropped, and
   resent), FETCH_WINDOW blocks at a time, delivered whole or dropped at the first block not
@@ -18,9 +24,9 @@ Policy:
   not in `allow` is dropped before anything is opened;
 - a receiver removes its copies of a payload's blocks, opened or not (`_release`: but a
   same-node sender's), and acks; the sender then removes its own, else at eviction or `close()`;
-- a malformed or unopenable message, an unfetched block or a failing handler is logged and
-  dropped; a broken stream is reopened until `close()`; a node's own publications are
-  skipped unless `deliver_own`.
+- a malformed or unopenable message, an unfetched block or a failing handler is logged (a
+  bounded number of lines, safety/droplog.py) and dropped; a broken stream is reopened until
+  `close()`; a node's own publications are skipped unless `deliver_own`.
 """
 
 from __future__ import annotations
@@ -38,10 +44,13 @@ from typing import Protocol
 
 import msgpack
 
+from gridgraph.exec import wire
 from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
+from gridgraph.exec.safety.droplog import DropLog
+from gridgraph.exec.safety.limits import RateLimiter
 from gridgraph.exec.transport import Handler, Transport
 
 log = logging.getLogger(__name__)
@@ -53,6 +62,9 @@ class WorkerNames(Protocol):
     def identity(self, name: str, wait: float = 0.0) -> str | None:
         """The identity of worker `name`, waiting up to `wait` s to hear of it; None if
         unknown."""
+
+    def heard(self, identity: str) -> None:
+        """A message sealed by endpoint `identity` was opened: it is alive."""
 
 
 ENVELOPE_VERSION = 1
@@ -70,6 +82,10 @@ BLOB_ID_BYTES = 16  # a large payload's id: random, made by its sender
 SEALED_INLINE = b"\x00"  # + the payload: what GridTransport seals, for an inline payload
 SEALED_BLOCKS = b"\x01"  # + msgpack {"b": [[cid, size], ...], "t": total, "k": key, "i": id}
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
+MAX_ANNOUNCEMENT = 4096  # bytes of a discovery message (a heartbeat has ~150)
+MAX_ACK = 256  # bytes of a message on an ack topic (a sealed ack has ~90)
+DISCOVERY_RATE, DISCOVERY_BURST = 4.0, 16  # discovery messages a second per sending node
+MESSAGE_RATE, MESSAGE_BURST = 1000.0, 4000  # other messages a second per node and topic
 assert BLOCK_SIZE + secure.TAG_BYTES <= MAX_BLOCK_SIZE
 
 
@@ -100,10 +116,10 @@ def sealed_blocks(blocks: list[tuple[str, int]], total: int, key: bytes, blob: b
 
 def unpack(message: bytes) -> dict:
     """Decode and validate an envelope; raise MalformedEnvelope if it is not one."""
-    try:
-        envelope = msgpack.unpackb(message, raw=False)
-    except Exception as error:  # msgpack raises several unrelated types
-        raise MalformedEnvelope(f"not msgpack: {error}") from error
+    try:  # (a map, and a list per block: each block's reference has 40 bytes or more)
+        envelope = wire.unpackb(message, max_containers=2 + len(message) // 40, raw=False)
+    except wire.WireError as error:
+        raise MalformedEnvelope(f"not an envelope: {error}") from error
     if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
         raise MalformedEnvelope(f"not a version {ENVELOPE_VERSION} envelope")
     return check_envelope(envelope)
@@ -164,6 +180,11 @@ class IpfsTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._closed = threading.Event()
         self._pending: dict[str, int] = {}  # sending peer -> block payloads in flight
+        self._drops = DropLog(log)
+        self._rates = {  # (discovery?) -> messages per sending node (and topic)
+            True: RateLimiter(DISCOVERY_RATE, DISCOVERY_BURST),
+            False: RateLimiter(MESSAGE_RATE, MESSAGE_BURST),
+        }
         self._assembler = ThreadPoolExecutor(ASSEMBLERS, thread_name_prefix="ipfs-assemble")
         self._fetcher = ThreadPoolExecutor(
             ASSEMBLERS * FETCH_WINDOW, thread_name_prefix="ipfs-fetch"
@@ -222,12 +243,24 @@ class IpfsTransport(Transport):
                 self._handlers[topic].append(handler)
                 return
             self._handlers[topic] = [handler]
-            self._streams[topic] = self.kubo.pubsub_sub(self.wire_topic(topic))
+            self._streams[topic] = self._sub(topic)
         thread = threading.Thread(
             target=self._read, args=(topic,), name=f"ipfs-sub-{topic}", daemon=True
         )
         self._threads.append(thread)
         thread.start()
+
+    def _sub(self, topic: str) -> Subscription:
+        return self.kubo.pubsub_sub(self.wire_topic(topic), max_data=self.max_message(topic))
+
+    def max_message(self, topic: str) -> int:
+        """The largest PubSub message read on `topic` (bytes): larger ones are dropped
+        unparsed. Announcements and acks are small; others are under go-libp2p-pubsub's cap."""
+        if topic == DISCOVERY_TOPIC:
+            return MAX_ANNOUNCEMENT
+        if topic.startswith(ACK_PREFIX):
+            return MAX_ACK
+        return MAX_BLOCK_SIZE
 
     def wait_for_peers(self, topic: str, n: int, timeout: float = 10.0) -> list[str]:
         """Wait until at least `n` connected peers subscribe to `topic`; return their ids
@@ -277,7 +310,7 @@ class IpfsTransport(Transport):
             time.sleep(backoff)
             backoff = min(2 * backoff, 5.0)
             try:
-                reopened = self.kubo.pubsub_sub(self.wire_topic(topic))
+                reopened = self._sub(topic)
             except KuboError as error:
                 log.warning("cannot reopen pubsub stream for %r: %s", topic, error)
                 continue
@@ -290,11 +323,16 @@ class IpfsTransport(Transport):
         """On the reader thread: open the message; hand inline data over (handlers only
         enqueue), and leave a block payload to an assembler, if its sending peer has fewer
         than PENDING_PER_PEER in flight and one of the ASSEMBLERS is free; else drop it (its
-        sender resends). No payload waits behind another peer's blocks."""
+        sender resends). No payload waits behind another peer's blocks. Nothing is opened that
+        `_refusal` refuses."""
+        refusal = self._refusal(topic, peer, len(message))
+        if refusal is not None:
+            self._drops.warning(peer, "dropped a message on %r from %s: %s", topic, peer, refusal)
+            return
         try:
             opened = self._open(topic, peer, message)
         except (MalformedEnvelope, secure.Rejected) as error:
-            log.warning("dropped message on %r from %s: %s", topic, peer, error)
+            self._drops.warning(peer, "dropped message on %r from %s: %s", topic, peer, error)
             return
         if opened is None:
             return
@@ -306,8 +344,9 @@ class IpfsTransport(Transport):
             pending = self._pending.get(peer, 0)
             if pending >= PENDING_PER_PEER or sum(self._pending.values()) >= ASSEMBLERS:
                 size = envelope["t"]
-                log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
-                            "are being fetched already", size, topic, peer, pending)  # fmt: skip
+                self._drops.warning(peer, "dropped a %d-byte message on %r from %s: %d of its "
+                                    "payloads are being fetched already", size, topic, peer,
+                                    pending)  # fmt: skip
                 return
             self._pending[peer] = pending + 1
         if not self._wanted(sender, envelope):
@@ -331,7 +370,7 @@ class IpfsTransport(Transport):
                 bar.close()
             payload = self._join(envelope, pieces)
         except (MalformedEnvelope, secure.Rejected, KuboError) as error:
-            log.warning("dropped message on %r from %s: %s", topic, peer, error)
+            self._drops.warning(peer, "dropped message on %r from %s: %s", topic, peer, error)
             return
         except Exception:
             if not self._closed.is_set():  # else: the fetcher was shut down under us
@@ -386,6 +425,17 @@ class IpfsTransport(Transport):
 
     # --- what the secure layer overrides ---------------------------------------------------
 
+    def _refusal(self, topic: str, peer: str, size: int) -> str | None:
+        """Why a message of `size` bytes from node `peer` on `topic` is dropped unopened (its
+        size, its node's rate), or None."""
+        if size > self.max_message(topic):
+            return f"{size} bytes, over the {self.max_message(topic)} this topic takes"
+        discovery = topic == DISCOVERY_TOPIC
+        if not self._rates[discovery].allow(peer if discovery else f"{peer} {topic}"):
+            rate = DISCOVERY_RATE if discovery else MESSAGE_RATE
+            return f"over its rate of {rate:g} messages a second on this topic"
+        return None
+
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
         """(sender, checked envelope) of a message, or None to skip it silently."""
         return peer, unpack(message)
@@ -436,8 +486,11 @@ class GridTransport(IpfsTransport):
     (`_received`); the sender then removes its own (`_on_ack`). Unacknowledged blocks go when
     they fall out of the STORED_KEPT payloads kept for resending, and at `close()`. A large
     payload sent again to the same receiver before it acknowledged the first copy reuses the
-    blocks. `allow`: peer IDs whose messages are served (the discovery topic excepted); others
-    are dropped, with a log line, before anything is opened.
+    blocks. `allow`: peer IDs whose messages are served (the discovery topic excepted, unless
+    `closed_discovery`: a client that trusts only some workers hears only them); others are
+    dropped, with a log line, before anything is opened. A message opened from an endpoint
+    tells `directory` it is alive (`heard`): a worker's replies keep it alive to its client
+    whatever floods the discovery topic.
     """
 
     def __init__(
@@ -445,6 +498,7 @@ class GridTransport(IpfsTransport):
         api: str,
         *,
         allow: Iterable[str] | None = None,
+        closed_discovery: bool = False,
         progress: bool = False,
         resolve_wait: float = 2.0,
         **kwargs,
@@ -454,6 +508,7 @@ class GridTransport(IpfsTransport):
         self.identity = self.channel.identity
         self.directory: WorkerNames | None = None
         self.allow = None if allow is None else frozenset(allow) | {self.peer}
+        self.closed_discovery = closed_discovery and allow is not None
         self.progress = progress
         self.resolve_wait = resolve_wait  # how long to wait to hear of a worker named in a topic
         self._stored: OrderedDict[tuple[bytes, str], _Stored] = OrderedDict()
@@ -528,13 +583,20 @@ class GridTransport(IpfsTransport):
         self._remove([cid for old in evicted for cid, _ in old.blocks])
         return stored
 
+    def _refusal(self, topic: str, peer: str, size: int) -> str | None:
+        """(and a peer not in `allow`)"""
+        if self.allow is not None and peer not in self.allow:
+            if topic != DISCOVERY_TOPIC or self.closed_discovery:
+                return f"peer {peer} is not among the peers this endpoint hears"
+        return super()._refusal(topic, peer, size)
+
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
         if topic == DISCOVERY_TOPIC:
             sender, body = secure.open_announcement(peer, message)
             return sender, {"d": body}
-        if self.allow is not None and peer not in self.allow:
-            raise secure.Rejected(f"peer {peer} is not among the peers this endpoint serves")
         sender, body = self.channel.open(peer, topic, message)
+        if self.directory is not None:
+            self.directory.heard(sender)
         kind = body[:1]
         if kind == SEALED_INLINE:
             return sender, {"d": body[1:]}
@@ -545,9 +607,9 @@ class GridTransport(IpfsTransport):
             # peer that saw our identity could make us wait on)
             raise MalformedEnvelope("an ack names blocks")
         try:
-            envelope = msgpack.unpackb(body[1:])
-        except Exception as error:
-            raise MalformedEnvelope(f"sealed block list is not msgpack: {error}") from error
+            envelope = wire.unpackb(body[1:], max_containers=2 + len(body) // 40)
+        except wire.WireError as error:
+            raise MalformedEnvelope(f"sealed block list: {error}") from error
         if not isinstance(envelope, dict) or "d" in envelope:
             raise MalformedEnvelope("sealed block list is not a map of blocks")
         check_envelope(envelope)
@@ -618,9 +680,9 @@ class GridTransport(IpfsTransport):
 
     def _on_ack(self, sender: str, payload: bytes) -> None:
         try:
-            blob = msgpack.unpackb(payload).get("i")
-        except Exception:
-            log.warning("dropped a malformed ack from %s", sender)
+            blob = wire.unpackb(payload, max_containers=1, max_map_len=1).get("i")
+        except (wire.WireError, AttributeError):
+            self._drops.warning(sender, "dropped a malformed ack from %s", sender)
             return
         with self._stored_lock:
             acked = [k for k, s in self._stored.items() if s.id == blob and k[1] == sender]

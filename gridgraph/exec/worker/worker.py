@@ -10,12 +10,15 @@ never named it; the serving threads; one outbox and its sender thread. A peer, f
 per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node).
 
 Policy:
-- the transport's thread only decodes, checks and enqueues (`on_message`); each session's
+- the transport's thread only checks, decodes, checks and enqueues (`on_message`): before a
+  header is decoded, the message's size and its peer's rate of header bytes
+  (HEADER_BYTES_PER_SECOND, unless requests are unlimited); each session's
   requests run in arrival order on a thread of its own (`_drain`), in its executor process
   when the worker was given an `Isolation` (isolation/executor.py): no client's long program
   delays another's;
 - exactly once: a request id runs at most once per session, and every accepted request gets
   exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
+- dropped messages are logged a bounded number of times (safety/droplog.py);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
   request rate and its refusals' rate; a session by its memory (queued requests included)
   and time limits; an ended session's requests are refused as `session-ended`;
@@ -28,6 +31,7 @@ Policy:
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,6 +49,7 @@ from gridgraph.exec.protocol import (
     is_name,
     worker_topic,
 )
+from gridgraph.exec.safety.droplog import DropLog
 from gridgraph.exec.safety.limits import (
     TRANSFER_BYTES,
     LimitExceeded,
@@ -79,6 +84,11 @@ ENDED_BEFORE_RUN = RequestError(
     "ran; nothing of it ran",
     SESSION_ENDED,
 )
+# Header bytes a second that one peer's messages may make a worker decode, in bursts of
+# HEADER_BURST: a header costs time to decode (up to ~70 ms for a hostile 1 MB one) before
+# any check of what it says; a client's programs are sent once and then named by their plan.
+HEADER_BYTES_PER_SECOND = 1 << 20
+HEADER_BURST = 2 * wire.MAX_HEADER_BYTES
 # A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
@@ -121,6 +131,11 @@ class Worker:
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
         # are dropped unanswered (each refusal is a message from the one sender thread).
         self._refusals = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
+        unlimited = math.isinf(self.limits.requests_per_second)  # (a local grid: only you)
+        self._headers = RateLimiter(
+            math.inf if unlimited else HEADER_BYTES_PER_SECOND, HEADER_BURST
+        )
+        self._drops = DropLog(log)
         # Publications decided on the transport's thread go out from this one thread:
         # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
@@ -133,14 +148,22 @@ class Worker:
     # --- receiving (the transport's thread: check, enqueue, never block) -------------------
 
     def on_message(self, sender: str, payload: bytes) -> None:
+        owner = self.transport.owner(sender)
         if len(payload) > self.limits.max_message_bytes:
-            log.warning("%s: dropped a %d-byte message from %s, over the limit of %d",
-                        self.name, len(payload), sender, self.limits.max_message_bytes)  # fmt: skip
+            self._drops.warning(owner, "%s: dropped a %d-byte message from %s, over the limit "
+                                "of %d", self.name, len(payload), sender,
+                                self.limits.max_message_bytes)  # fmt: skip
+            return
+        if not self._headers.allow(owner, wire.header_size(payload)):
+            self._drops.warning(owner, "%s: dropped a message from %s: its peer sent more than "
+                                "%s of headers a second", self.name, sender,
+                                format_size(HEADER_BYTES_PER_SECOND))  # fmt: skip
             return
         try:
             msg = wire.decode(payload)
         except wire.WireError as e:
-            log.warning("%s: dropped a malformed message from %s: %s", self.name, sender, e)
+            self._drops.warning(owner, "%s: dropped a malformed message from %s: %s",
+                                self.name, sender, e)  # fmt: skip
             return
         try:
             kind = msg["kind"]
@@ -181,11 +204,13 @@ class Worker:
         topic for that session (`client_topic`), which no request names."""
         rid, session_id = msg.get("id"), msg.get("session")
         if not isinstance(rid, str) or not isinstance(session_id, str):
-            log.warning("%s: dropped a %.40r request without id or session", self.name, msg["kind"])
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a %.40r request "
+                                "without id or session", self.name, msg["kind"])  # fmt: skip
             return
         if len(rid) > MAX_REQUEST_ID:  # (a reply names its request: it would echo the id)
-            log.warning("%s: dropped a %.40r request whose id has %d characters, over %d",
-                        self.name, msg["kind"], len(rid), MAX_REQUEST_ID)  # fmt: skip
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a %.40r request "
+                                "whose id has %d characters, over %d", self.name, msg["kind"],
+                                len(rid), MAX_REQUEST_ID)  # fmt: skip
             return
         # Replies go only to the sender's own topic: no request names where they go.
         reply_to = client_topic(sender, session_id)
@@ -380,7 +405,8 @@ class Worker:
         first = values[0] if isinstance(values, list) and values else None
         key = _transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
         if key is None:
-            log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a malformed transfer "
+                                "from %s", self.name, sender)  # fmt: skip
             return
         client = msg["client"]
         session = self._session(client, client.split("/", 1)[0], create=False)
@@ -410,8 +436,8 @@ class Worker:
             if not fits(payload):
                 # Not even the error fits: kept, errors under keys no run takes would grow
                 # the inbox past the limit without bound. A run waiting for it times out.
-                log.warning("%s: dropped a transfer for %s: its memory limit is reached",
-                            self.name, client)  # fmt: skip
+                self._drops.warning(owner, "%s: dropped a transfer for %s: its memory limit "
+                                    "is reached", self.name, client)  # fmt: skip
                 return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
@@ -424,7 +450,8 @@ class Worker:
         try:
             return self._session(client, peer, create=True, opened_by=opened_by)
         except (RequestError, LimitExceeded) as e:
-            log.warning("%s: dropped a transfer for %s: %s", self.name, client, e)
+            self._drops.warning(opened_by, "%s: dropped a transfer for %s: %s", self.name,
+                                client, e)  # fmt: skip
             return None
 
     def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
