@@ -587,7 +587,7 @@ class GridTransport(IpfsTransport):
         """(and a peer not in `allow`)"""
         if self.allow is not None and peer not in self.allow:
             if topic != DISCOVERY_TOPIC or self.closed_discovery:
-                return f"peer {peer} is not among the peers this endpoint hears"
+                return f"peer {peer} is not among the peers this endpoint serves"
         return super()._refusal(topic, peer, size)
 
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:

@@ -16,20 +16,23 @@ class Clock:
         return self.now
 
 
-def test_a_flood_from_one_peer_is_one_line_per_interval_counting_the_rest(caplog):
+def test_a_flood_from_one_peer_is_two_lines_per_interval_counting_the_rest(caplog):
     clock = Clock()
     drops = DropLog(logging.getLogger("test.drops"), every=10.0, clock=clock)
     with caplog.at_level(logging.WARNING, "test.drops"):
         for i in range(5000):
             clock.now = i / 500  # 500 a second for 10 s
             drops.warning("mallory", "dropped a message from %s: %s", "mallory", f"bad {i}")
+        clock.now = 9.99
+        drops.warning("mallory", "dropped a message from %s: %s", "mallory", "other")
         clock.now = 10.0
-        drops.warning("mallory", "dropped a message from %s: %s", "mallory", "bad last")
+        drops.warning("mallory", "dropped a message from %s: %s", "mallory", "bad 5000")
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         "dropped a message from mallory: bad 0",
-        "dropped a message from mallory: bad last (and 4999 more like it from mallory in the "
-        "last 10 s)",
+        "dropped a message from mallory: bad 1",
+        "dropped a message from mallory: other",  # (not alike: its own lines)
+        "dropped a message from mallory: bad 5000 (and 4998 more like it from mallory not logged)",
     ]
 
 
@@ -37,10 +40,11 @@ def test_each_kind_of_warning_and_each_peer_gets_its_line(caplog):
     drops = DropLog(logging.getLogger("test.drops"), clock=Clock())
     with caplog.at_level(logging.WARNING, "test.drops"):
         assert drops.warning("a", "too large: %d", 5)
+        assert drops.warning("a", "too large: %d", 6)
         assert drops.warning("a", "malformed: %s", "x")
         assert drops.warning("b", "too large: %d", 6)
         assert not drops.warning("a", "too large: %d", 7)
-    assert len(caplog.records) == 3
+    assert len(caplog.records) == 4
 
 
 def test_many_peers_share_a_bounded_number_of_lines(caplog):
