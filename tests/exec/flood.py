@@ -10,10 +10,14 @@ holding the interpreter lock, before any check of who sent it.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
@@ -56,18 +60,21 @@ class Flood(threading.Thread):
         self.join(timeout=30)
 
 
-def kubo_publishers(outsider_api: str, worker_identity: str, name: str = "w0") -> list:
+def kubo_publishers(
+    outsider_api: str, worker_identity: str, name: str = "w0", random: bool = False
+) -> list:
     """What one outsider Kubo node publishes, each call one ~0.9 MB message: on the discovery
     topic an announcement (its own key, as any peer may) of the costly message, and on
     worker `name`'s topic the costly message sealed for that worker (whose key is public,
-    in its heartbeat) and the raw one unsealed."""
+    in its heartbeat) and the raw one unsealed. `random`: random bytes in place of the
+    costly message, as many (what the flood costs Kubo alone, whatever its bytes say)."""
     kubo = Kubo(outsider_api)
     channel = secure.Channel(kubo.id())
-    payload = bytes(costly())
+    payload = os.urandom(len(costly())) if random else bytes(costly())
     announcement = channel.announcement(payload)
     topic = worker_topic(name)
     wire_topic = secure.blind_topic(topic)
-    raw = bytes(frame([[]] * EMPTY_LISTS))
+    raw = payload if random else bytes(frame([[]] * EMPTY_LISTS))
 
     def discovery() -> None:
         kubo.pubsub_pub(DISCOVERY_TOPIC, announcement)
@@ -102,9 +109,12 @@ class LineCounter(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.count = 0
+        self.first: list[str] = []  # the first few lines
 
     def emit(self, record: logging.LogRecord) -> None:
         self.count += 1
+        if len(self.first) < 20:
+            self.first.append(record.getMessage()[:300])
 
     def __enter__(self) -> LineCounter:
         logging.getLogger("gridgraph").addHandler(self)
@@ -112,3 +122,45 @@ class LineCounter(logging.Handler):
 
     def __exit__(self, *exc: object) -> None:
         logging.getLogger("gridgraph").removeHandler(self)
+
+
+def kubo_flood(
+    api: str, worker_identity: str, name: str, seconds: float, rate: float, random: bool = False
+) -> Flood:
+    """Run the outsider's flood through the Kubo node at `api` for `seconds` s: the costly
+    announcement and the sealed costly message on `name`'s topic, each `rate` times a
+    second, and the unsealed one a quarter as often."""
+    discovery, sealed, unsealed = kubo_publishers(api, worker_identity, name, random)
+    flood, garbage = Flood([discovery, sealed], rate), Flood([unsealed], rate / 4)
+    flood.start()
+    garbage.start()
+    time.sleep(seconds)
+    flood.stop()
+    garbage.stop()
+    flood.sent += garbage.sent
+    flood.failed += garbage.failed
+    return flood
+
+
+def start_outsider(api: str, worker_identity: str, name: str, seconds: float,
+                   rate: float = 20.0, random: bool = False) -> subprocess.Popen:  # fmt: skip
+    """The flood from a process of its own, as an outsider's would be (not the client's
+    interpreter lock): `finish` it for the count of messages sent."""
+    args = [sys.executable, "-m", "tests.exec.flood", api, worker_identity, name,
+            str(seconds), str(rate), "random" if random else "costly"]  # fmt: skip
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int, int]:
+    """(messages sent, publishes that failed) of a flood `start_outsider` started."""
+    out, _ = proc.communicate(timeout=timeout)
+    sent, failed = out.split()[-2:]
+    return int(sent), int(failed)
+
+
+if __name__ == "__main__":
+    api, identity, worker_name, seconds, rate, kind = sys.argv[1:7]
+    done = kubo_flood(api, identity, worker_name, float(seconds), float(rate), kind == "random")
+    print(done.sent, done.failed, flush=True)

@@ -327,7 +327,9 @@ class IpfsTransport(Transport):
         `_refusal` refuses."""
         refusal = self._refusal(topic, peer, len(message))
         if refusal is not None:
-            self._drops.warning(peer, "dropped a message on %r from %s: %s", topic, peer, refusal)
+            if refusal:  # ("": dropped as a matter of course, not worth a line)
+                self._drops.warning(peer, "dropped a message on %r from %s: %s", topic, peer,
+                                    refusal)  # fmt: skip
             return
         try:
             opened = self._open(topic, peer, message)
@@ -427,7 +429,7 @@ class IpfsTransport(Transport):
 
     def _refusal(self, topic: str, peer: str, size: int) -> str | None:
         """Why a message of `size` bytes from node `peer` on `topic` is dropped unopened (its
-        size, its node's rate), or None."""
+        size, its node's rate; "" for a drop not worth a log line), or None."""
         if size > self.max_message(topic):
             return f"{size} bytes, over the {self.max_message(topic)} this topic takes"
         discovery = topic == DISCOVERY_TOPIC
@@ -584,10 +586,13 @@ class GridTransport(IpfsTransport):
         return stored
 
     def _refusal(self, topic: str, peer: str, size: int) -> str | None:
-        """(and a peer not in `allow`)"""
+        """(and a peer not in `allow`: on a closed discovery topic, silently, since other
+        peers' workers announce themselves there all the time)"""
         if self.allow is not None and peer not in self.allow:
-            if topic != DISCOVERY_TOPIC or self.closed_discovery:
+            if topic != DISCOVERY_TOPIC:
                 return f"peer {peer} is not among the peers this endpoint serves"
+            if self.closed_discovery:
+                return ""
         return super()._refusal(topic, peer, size)
 
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
