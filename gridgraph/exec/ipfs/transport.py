@@ -84,7 +84,7 @@ SEALED_BLOCKS = b"\x01"  # + msgpack {"b": [[cid, size], ...], "t": total, "k": 
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
 MAX_ANNOUNCEMENT = 4096  # bytes of a discovery message (a heartbeat has ~150)
 MAX_ACK = 256  # bytes of a message on an ack topic (a sealed ack has ~90)
-DISCOVERY_RATE, DISCOVERY_BURST = 4.0, 16  # discovery messages a second per sending node
+DISCOVERY_RATE, DISCOVERY_BURST = 16.0, 64  # per sending node (which may run many workers)
 MESSAGE_RATE, MESSAGE_BURST = 1000.0, 4000  # other messages a second per node and topic
 assert BLOCK_SIZE + secure.TAG_BYTES <= MAX_BLOCK_SIZE
 
