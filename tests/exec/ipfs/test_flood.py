@@ -21,7 +21,12 @@ from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.swarm import NodeInfo
-from gridgraph.exec.ipfs.transport import GridTransport
+from gridgraph.exec.ipfs.transport import (
+    DISCOVERY_BURST,
+    DISCOVERY_RATE,
+    MAX_ANNOUNCEMENT,
+    GridTransport,
+)
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
 from tests.exec.flood import LineCounter, finish, latencies, p95, start_outsider
 from tests.exec.ipfs.fixtures import WorkerProcess
@@ -112,3 +117,35 @@ def test_with_trust_the_claimed_name_is_the_trusted_worker(kubo_nodes, impostor)
         assert secure.peer_of(grid.client.identity_of("w1")) == kubo_nodes[1].peer_id
         a = torch.randn(8)
         assert torch.equal((a.send(grid.workers[0]) * 2).get(), a * 2)
+
+
+def test_the_discovery_topic_takes_from_each_node_a_bounded_rate_of_small_messages(
+    kubo_nodes, outsider_node
+):
+    # The discovery topic is open to every peer: each of its messages was decoded, however
+    # large and however many, before anyone looked at who sent it.
+    listener = GridTransport(kubo_nodes[0].api)
+    heard: list[bytes] = []
+    listener.subscribe(DISCOVERY_TOPIC, lambda sender, payload: heard.append(payload))
+    outsider = GridTransport(outsider_node.api)
+    try:
+        outsider.wait_for_peers(DISCOVERY_TOPIC, 1)  # (the listener's node, at least)
+        msg = {"kind": "announce", "name": "spam", "instance": "x", "lease": 300.0}
+        big = {**msg, "pad": "x" * (2 * MAX_ANNOUNCEMENT)}
+        start = time.monotonic()
+        for seq in range(4):
+            outsider.publish(DISCOVERY_TOPIC, wire.encode({**big, "seq": seq}), False)
+        n = 400
+        for seq in range(n):
+            outsider.publish(DISCOVERY_TOPIC, wire.encode({**msg, "seq": seq}), False)
+        elapsed = time.monotonic() - start
+        time.sleep(2.0)  # (the rest arrive)
+        allowed = DISCOVERY_BURST + DISCOVERY_RATE * (elapsed + 2.0)
+        assert allowed < n, "the outsider published too slowly to test anything"
+        assert DISCOVERY_BURST // 2 <= len(heard) <= allowed, (len(heard), allowed)
+        assert all(len(p) < MAX_ANNOUNCEMENT for p in heard)  # none of the large ones
+        stream = listener._streams[DISCOVERY_TOPIC]
+        assert stream.skipped >= 3  # (read but not parsed; PubSub may lose one)
+    finally:
+        outsider.close()
+        listener.close()
