@@ -69,6 +69,10 @@ class WireError(ValueError):
     """A message that does not decode to a valid gridgraph message."""
 
 
+class CostlyHeader(WireError):
+    """A header of more arrays and maps than its size allows: one no honest peer makes."""
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
     if not (
@@ -302,7 +306,7 @@ def unpackb(data: bytes | memoryview, *, max_containers: int, **caps: Any) -> An
         nonlocal built
         built += 1
         if built > max_containers:
-            raise WireError(f"more than {max_containers} arrays and maps")
+            raise CostlyHeader(f"more than {max_containers} arrays and maps")
         return container
 
     caps.setdefault("strict_map_key", False)

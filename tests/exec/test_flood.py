@@ -15,6 +15,7 @@ import gridgraph as gg
 from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.safety.limits import Limits
 from tests.exec.flood import Flood, LineCounter, costly, latencies, p95
+from tests.exec.local_peer import Peer
 
 
 def test_a_flood_of_costly_headers_from_a_second_peer_slows_the_client_at_most_3x():
@@ -47,3 +48,17 @@ def test_a_flood_of_costly_headers_from_a_second_peer_slows_the_client_at_most_3
         assert flood.sent >= 200, flood.sent  # 20 a second on each topic
         assert p95(during) <= 3 * p95(before) + 0.01, (p95(before), p95(during))
         assert lines.count <= 25, lines.count
+
+
+def test_a_peer_whose_header_is_refused_for_its_containers_waits_before_its_next_is_decoded():
+    # Within its rate of header bytes, a peer still made a worker decode a costly header each
+    # second (~40-70 ms of its lock each, more on a loaded machine). No honest peer makes
+    # one: it now costs the peer COSTLY_HEADER_CHARGE times its size.
+    with gg.local_grid(1, limits=Limits()) as grid:
+        mallory, bob = Peer(grid, "mallory"), Peer(grid, "bob")
+        assert mallory.request("w0", {"kind": "ping"})["ok"]
+        for _ in range(2):  # 0.1 MB each: 1.6 MB charged each, 2 MiB allowed at once
+            mallory.publish("w0", costly("ping", 100_000))
+        mallory.send("w0", {"kind": "ping"})
+        assert bob.request("w0", {"kind": "ping"})["ok"]  # others are served
+        assert mallory.no_reply_within(0.5), "its ping was decoded within its penalty"

@@ -229,6 +229,17 @@ class RateLimiter:
             self._buckets[peer] = (tokens - cost if ok else tokens, now)
             return ok
 
+    def charge(self, peer: str, cost: float) -> None:
+        """Take `cost` more tokens from `peer`'s bucket, below zero if need be: it waits
+        until the bucket refills past one again."""
+        if math.isinf(self.rate):
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens, updated = self._buckets.get(peer, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - updated) * self.rate)
+            self._buckets[peer] = (tokens - cost, now)
+
 
 # --- a program's footprint from meta shapes --------------------------------------------------
 

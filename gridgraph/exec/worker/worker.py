@@ -12,7 +12,8 @@ per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node)
 Policy:
 - the transport's thread only checks, decodes, checks and enqueues (`on_message`): before a
   header is decoded, the message's size and its peer's rate of header bytes
-  (HEADER_BYTES_PER_SECOND, unless requests are unlimited); each session's
+  (HEADER_BYTES_PER_SECOND, unless requests are unlimited; a header refused for its
+  containers costs COSTLY_HEADER_CHARGE times its size); each session's
   requests run in arrival order on a thread of its own (`_drain`), in its executor process
   when the worker was given an `Isolation` (isolation/executor.py): no client's long program
   delays another's;
@@ -89,6 +90,9 @@ ENDED_BEFORE_RUN = RequestError(
 # any check of what it says; a client's programs are sent once and then named by their plan.
 HEADER_BYTES_PER_SECOND = 1 << 20
 HEADER_BURST = 2 * wire.MAX_HEADER_BYTES
+# A header refused for its containers (wire.CostlyHeader: no honest peer makes one) costs its
+# peer this many times its size: its next is decoded some 16 s later, not 1.
+COSTLY_HEADER_CHARGE = 16
 # A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
 # messages under load, so a few resends cover honest losses).
 RESENDS = 4
@@ -162,6 +166,8 @@ class Worker:
         try:
             msg = wire.decode(payload)
         except wire.WireError as e:
+            if isinstance(e, wire.CostlyHeader):
+                self._headers.charge(owner, COSTLY_HEADER_CHARGE * wire.header_size(payload))
             self._drops.warning(owner, "%s: dropped a malformed message from %s: %s",
                                 self.name, sender, e)  # fmt: skip
             return
