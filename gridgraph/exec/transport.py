@@ -24,6 +24,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gridgraph.errors import GridError
+from gridgraph.exec.protocol import worker_of_topic
+
 Handler = Callable[[str, bytes], None]
 
 
@@ -80,7 +83,9 @@ class Transport(ABC):
     def recipient(self, topic: str) -> str | None:
         """The identity of the endpoint that receives what is published on `topic`, as it
         appears as `sender` in its own messages; None if unknown. A client accepts a reply
-        only from the recipient of its request."""
+        only from the recipient of its request. Raises GridError where several endpoints
+        claim a worker's topic and none is known to be the worker (a LocalBus): a client
+        never picks one."""
         return None
 
     def owner(self, identity: str) -> str:
@@ -106,8 +111,15 @@ class LocalBus:
 
     def _recipient(self, topic: str) -> str | None:
         with self._lock:
-            subscribers = {identity for identity, _ in self._handlers.get(topic, ())}
-            return next(iter(subscribers)) if len(subscribers) == 1 else None
+            subscribers = sorted({identity for identity, _ in self._handlers.get(topic, ())})
+        name = worker_of_topic(topic)
+        if len(subscribers) > 1 and name is not None:
+            raise GridError(
+                f"worker name {name!r} is claimed by {len(subscribers)} endpoints of this bus "
+                f"({', '.join(repr(s) for s in subscribers)}); a client will not pick one: "
+                f"close the others"
+            )
+        return subscribers[0] if len(subscribers) == 1 else None
 
     def _unsubscribe_all(self, identity: str, handlers: list[tuple[str, Handler]]) -> None:
         with self._lock:

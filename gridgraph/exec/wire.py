@@ -13,11 +13,12 @@ extension type from a fixed table (1 Slot, 2 Param, 3 tensor, 4 dtype, 5 device 
 only), 6 memory format / layout, 7 complex). Nothing received is trusted: `decode` refuses
 with `WireError`, before anything uses the message, a message over the caller's limit, a
 header over MAX_HEADER_BYTES or with more than MAX_TENSORS tensors (what bounds the memory
-decoding takes), a tensor whose size does not match its shape and dtype, that lies outside
-the data region or is misaligned, or has more than MAX_DIMS dimensions, two tensors over the
-same bytes, a data region larger than its tensors and padding, and a bool tensor holding a
-byte other than 0 or 1. A buffer not aligned for the largest dtype is copied once into
-aligned memory (kernels need aligned tensors).
+decoding takes), a header of more arrays and maps than one per BYTES_PER_CONTAINER bytes
+(`unpackb`: what bounds the time decoding takes), a tensor whose size does not match its
+shape and dtype, that lies outside the data region or is misaligned, or has more than
+MAX_DIMS dimensions, two tensors over the same bytes, a data region larger than its tensors
+and padding, and a bool tensor holding a byte other than 0 or 1. A buffer not aligned for
+the largest dtype is copied once into aligned memory (kernels need aligned tensors).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ class WireError(ValueError):
     """A message that does not decode to a valid gridgraph message."""
 
 
+class CostlyHeader(WireError):
+    """A header of more arrays and maps than its size allows: one no honest peer makes."""
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of `t` in row-major order (no copy when it is already contiguous)."""
     if not (
@@ -93,6 +98,12 @@ _ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20  # a 6-layer transformer's training step is a 90 kB program
 MAX_TENSORS = 1 << 14
 MAX_DIMS = 64
+# A header holds at most one array or map per this many of its bytes, and CONTAINERS_FLOOR
+# more (a program's step is ~40 bytes and 5 containers; the headers of a transformer's
+# training step hold one per 13-23 bytes). Each container decoded costs an allocation: a
+# 0.9 MB header of empty lists took 90-290 ms to decode, a header of as many small ints 10.
+BYTES_PER_CONTAINER = 4
+CONTAINERS_FLOOR = 64
 COPY_BELOW = 1 << 16  # bytes: a tensor this small is copied as it is read
 _MAX_ITEMSIZE = max(d.itemsize for d in DTYPES.values())
 
@@ -264,16 +275,52 @@ def _ext_hook(code: int, data: bytes) -> Any:
             raise WireError(f"unknown memory format or layout {data!r}")
         return value
     if code == 7:
-        re, im = msgpack.unpackb(data)
-        return complex(float(re), float(im))
+        try:
+            re, im = unpackb(data, max_containers=1, max_array_len=2)
+            return complex(float(re), float(im))
+        except (TypeError, ValueError):
+            raise WireError("a complex number must be [real, imag]") from None
     raise WireError(f"unknown extension type {code}")
 
 
 def _int(data: bytes) -> int:
-    v = msgpack.unpackb(data)
+    v = unpackb(data, max_containers=0)
     if type(v) is not int or v < 0:
         raise WireError("a slot or parameter index must be a non-negative int")
     return v
+
+
+def unpackb(data: bytes | memoryview, *, max_containers: int, **caps: Any) -> Any:
+    """`msgpack.unpackb(data)` at a cost that `data`'s size bounds, whatever its shape:
+    raises WireError, having built at most `max_containers` + 1 arrays and maps, for more
+    of them; `caps` are msgpack's own (max_array_len, max_map_len, ...: each refused as
+    soon as its header is read). Nesting stops at msgpack's stack of 1024. For every
+    msgpack a peer sends: headers here, envelopes and sealed messages on IPFS.
+
+    >>> unpackb(msgpack.packb([[1], {}]), max_containers=3)
+    [[1], {}]
+    """
+    built = 0
+
+    def counted(container: Any) -> Any:  # (msgpack calls it for each array and each map)
+        nonlocal built
+        built += 1
+        if built > max_containers:
+            raise CostlyHeader(f"more than {max_containers} arrays and maps")
+        return container
+
+    caps.setdefault("strict_map_key", False)
+    try:
+        return msgpack.unpackb(data, list_hook=counted, object_hook=counted, **caps)
+    except WireError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types for garbage
+        raise WireError(f"undecodable message: {e}") from None
+
+
+def header_size(payload: bytes | bytearray | memoryview) -> int:
+    """The size of a message's header, read without decoding it (0 if it has none)."""
+    return int.from_bytes(payload[:4], "little") if len(payload) >= 4 else 0
 
 
 def encode(message: dict) -> bytearray:
@@ -310,7 +357,7 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
             return _ext_hook(code, ext)
         if decoder is None:
             decoder = _Decoder(_aligned(data))
-        return decoder.tensor(msgpack.unpackb(ext))
+        return decoder.tensor(unpackb(ext, max_containers=2))
 
     # No garbage collection while the header is built: its containers hold no cycles, yet
     # each 700 of them made set off a collection, and every few of those one over the whole
@@ -321,13 +368,12 @@ def decode(payload: bytes | bytearray, max_bytes: int | None = None) -> dict:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        msg = msgpack.unpackb(
-            memoryview(payload)[4 : 4 + n], ext_hook=ext_hook, raw=False, strict_map_key=False
+        msg = unpackb(
+            memoryview(payload)[4 : 4 + n],
+            max_containers=CONTAINERS_FLOOR + n // BYTES_PER_CONTAINER,
+            ext_hook=ext_hook,
+            raw=False,
         )
-    except WireError:
-        raise
-    except Exception as e:  # msgpack raises several unrelated types for garbage
-        raise WireError(f"undecodable message: {e}") from None
     finally:
         if collecting:  # (left off if the program had turned it off)
             gc.enable()

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import os
 import sys
+import time
 
+import msgpack
 import pytest
 import torch
 
@@ -145,13 +148,14 @@ def _rss() -> int:
 
 def test_memory_growth_at_decode_is_bounded():
     # The attack: a 7 MB header of tensors over one byte grew a worker by 551 MB. Now it is
-    # refused, and the worst headers under the caps (empty maps: ~70 bytes each in memory;
-    # tensors: ~1 kB each) grow memory by a bounded amount.
+    # refused, and the worst headers under the caps (empty maps, one per BYTES_PER_CONTAINER
+    # bytes: ~70 bytes each in memory; tensors: ~1 kB each) grow memory by a bounded amount.
     same_byte = [tensor_ref("bool", [1], 0, 1)] * 500_000
+    maps = wire.MAX_HEADER_BYTES // wire.BYTES_PER_CONTAINER
     with pytest.raises(wire.WireError):
         wire.decode(frame({"kind": "x", "ts": same_byte}, b"\x01"))
     worst = [
-        frame({"kind": "x", "v": [{}] * (wire.MAX_HEADER_BYTES - 64)}),
+        frame({"kind": "x", "v": [{}] * maps, "pad": bytes(wire.MAX_HEADER_BYTES - maps - 64)}),
         frame(
             {
                 "kind": "x",
@@ -171,7 +175,7 @@ def test_memory_growth_at_decode_is_bounded():
 
 def _collections_decoding(payload: bytearray, n: int) -> list[int]:
     """The generation of each garbage collection that decoding `payload` (a ping padded
-    with `n` empty lists) set off."""
+    with `n` small lists) set off."""
     collections = []
 
     def count(phase: str, info: dict) -> None:
@@ -189,7 +193,7 @@ def _collections_decoding(payload: bytearray, n: int) -> list[int]:
 def test_decoding_a_header_of_many_containers_sets_off_no_garbage_collection():
     # A header of many small containers (1 byte each on the wire) made the collector walk
     # the whole heap again and again, holding the lock on the thread messages arrive on.
-    payload = wire.encode({"kind": "ping", "pad": [[]] * 200_000})
+    payload = wire.encode({"kind": "ping", "pad": [[0, 0, 0]] * 200_000})
     collections = _collections_decoding(payload, 200_000)
     # (before: 285, two over the whole heap; now at most the one its allocations set off once
     # the collector is back on, over the young objects)
@@ -208,8 +212,9 @@ def test_a_stream_of_small_headers_of_many_containers_sets_off_no_garbage_collec
     # they promoted the lists being built, and a stream of such messages set off collections
     # over the whole heap: 10 times the CPU per message, holding the lock (a review's 300).
     n = 4000
-    payload = wire.encode({"kind": "ping", "pad": [[]] * n})
-    assert len(payload) < 4200
+    # (the most containers a header of 16 kB may hold: one per BYTES_PER_CONTAINER bytes)
+    payload = wire.encode({"kind": "ping", "pad": [[0, 0, 0]] * n})
+    assert len(payload) < 16_200
     collections = [g for _ in range(600) for g in _collections_decoding(payload, n)]
     assert 2 not in collections and 1 not in collections
 
@@ -304,3 +309,66 @@ def test_a_tensor_of_more_than_64_dimensions_is_refused_both_ways():
     header = {"kind": "put", "values": [[1, tensor_ref("float32", [1] * 65, 0, 4)]]}
     with pytest.raises(wire.WireError, match="65 dimensions"):
         wire.decode(frame(header, bytes(64)))
+
+
+def _costly_headers() -> dict[str, bytearray]:
+    """Headers of ~0.9 MB whose shapes cost decoding time: many empty containers (the
+    attack: 900k empty lists took 90-290 ms each, holding the interpreter lock), wide,
+    deep, and the same inside a tensor's reference (an extension decoded on its own)."""
+    n = 900_000
+    deep = b"\x81\xa4kind\xa1x" + b"\x81\xa1v" * 4 + b"\x91" * 100_000 + b"\x90"
+    return {
+        "empty lists": frame({"kind": "x", "v": [[]] * n}),
+        "empty maps": frame({"kind": "x", "v": [{}] * n}),
+        "wide nested": frame({"kind": "x", "v": [[[[[]] * 4] * 4] * 4] * (n // 100)}),
+        "deep": bytearray(len(deep).to_bytes(4, "little") + deep),
+        "lists in a tensor reference": frame(
+            {"kind": "x", "t": msgpack.ExtType(3, msgpack.packb([[]] * n))}
+        ),
+        "lists in a slot": frame({"kind": "x", "s": msgpack.ExtType(1, msgpack.packb([[]] * n))}),
+        "lists in a complex": frame(
+            {"kind": "x", "c": msgpack.ExtType(7, msgpack.packb([[]] * n))}
+        ),
+    }
+
+
+@pytest.mark.parametrize("shape", sorted(_costly_headers()))
+def test_a_header_of_costly_shape_is_refused_having_built_a_bounded_part_of_it(shape):
+    payload = _costly_headers()[shape]
+    cheap = frame({"kind": "x", "v": [0] * (len(payload) - 64)})  # ints: no allocation
+    assert abs(len(cheap) - len(payload)) < 128
+
+    def seconds(p: bytearray) -> float:
+        best = math.inf
+        for _ in range(3):
+            start = time.perf_counter()
+            try:
+                wire.decode(p)
+            except wire.WireError:
+                pass
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    with pytest.raises(wire.WireError):
+        wire.decode(payload)
+    # (within a small factor of what as many bytes of ints cost: O(bytes); before, empty
+    # lists cost 20-30 times as much)
+    assert seconds(payload) < 8 * seconds(cheap) + 0.005
+
+
+def test_containers_are_counted_up_to_one_per_few_bytes_of_header():
+    n = 200_000
+    under = {"kind": "x", "v": [[0, 0, 0]] * n}  # one container per 4 bytes: the cap
+    assert wire.decode(wire.encode(under))["v"] == [[0, 0, 0]] * n
+    with pytest.raises(wire.WireError, match="arrays and maps"):
+        wire.decode(wire.encode({"kind": "x", "v": [[0]] * n}))
+
+
+def test_bounded_unpack_refuses_containers_over_its_count_and_lengths():
+    assert wire.unpackb(msgpack.packb([1, b"k", 3]), max_containers=1) == [1, b"k", 3]
+    with pytest.raises(wire.WireError, match="more than 1 arrays"):
+        wire.unpackb(msgpack.packb([[], 2]), max_containers=1)
+    with pytest.raises(wire.WireError):
+        wire.unpackb(msgpack.packb(list(range(900_000))), max_containers=1, max_array_len=4)
+    with pytest.raises(wire.WireError):  # msgpack's stack: 1024 deep
+        wire.unpackb(b"\x91" * 2000 + b"\x90", max_containers=10_000)

@@ -27,9 +27,10 @@ Policy: a request without its reply is sent again after `retry_after` s, then tw
 each time (at most 8 times as long), or first sooner where answers to the same kind of
 request came sooner (exec/resend.py); workers answer a repeated request id from their reply
 cache. A request larger than its worker reads (`message_limit`) is refused before it is
-sent. A reply counts only from the identity its request was sealed for; a waiter wakes once
-all of its replies are in. A worker that `alive` says is gone fails its waits at once, unless
-it replied within HEARD_ALIVE s (a reply is a sign of life too).
+sent. A reply counts only from the identity its request was sealed for (a message from any
+other is dropped before it is decoded); a waiter wakes once all of its replies are in. A
+worker that `alive` says is gone fails its waits at once, unless it replied within
+HEARD_ALIVE s (a reply is a sign of life too).
 
 The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
 to free (`free`, `free_later`); this knows workers by name and value ids as plain numbers,
@@ -128,6 +129,8 @@ class Requests:
         # request id -> an unawaited batch of frees, until its reply (under _cv)
         self._free_batches: dict[str, _FreeBatch] = {}
         self._cv = threading.Condition()
+        # the identities requests went to: a message from any other is dropped undecoded
+        self._repliers: set[str | None] = set()
         # the request ids each waiting call needs (under _cv): a reply wakes a waiter only
         # once all of its replies are in, so that on a local grid a step's first reply does
         # not take the interpreter lock from the workers still running it
@@ -213,6 +216,7 @@ class Requests:
             )
         topic = worker_topic(worker)
         identity = self.transport.recipient(topic)  # looked up once: the reply must match it
+        self._repliers.add(identity)
         with self._cv:  # (before it is sent: on a local grid the reply may come first)
             if awaited:
                 self._outstanding[rid] = (identity, payload, frees)
@@ -375,6 +379,8 @@ class Requests:
                 self.frees[w].extend(outstanding[2])
 
     def _on_reply(self, sender: str, payload: bytes) -> None:
+        if sender not in self._repliers:  # (before decoding: anyone may publish here)
+            return
         try:
             msg = wire.decode(payload)
         except wire.WireError:

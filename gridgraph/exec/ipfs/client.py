@@ -40,6 +40,7 @@ from gridgraph.exec.ipfs.discovery import (
     Trust,
     ask_workers,
     load_trust,
+    trusted_peers,
 )
 from gridgraph.exec.ipfs.progress import wanted
 from gridgraph.exec.ipfs.transport import GridTransport, open_transport
@@ -81,8 +82,9 @@ def connect(
     from its reply cache. `dead_after`: a worker unheard this long is lost (`WorkerLost`).
     `memory_cap`: bytes per worker (or per worker name) that placement keeps new tensors under.
     `trust`: the workers this client uses, {name: peer ID}, a list of peer IDs, or a file of
-    either (discovery.load_trust; `gridgraph id --ipfs ADDR` prints a node's peer ID); other
-    peers announcing workers are ignored. Default: any worker on the grid (an open grid).
+    either (discovery.load_trust; `gridgraph id --ipfs ADDR` prints a node's peer ID); what
+    other peers publish is dropped unopened. Default: any worker on the grid (an open grid),
+    where a name two live peers claim raises GridError naming both.
     Every message and block is end-to-end encrypted either way (gridgraph.exec.ipfs.secure).
     `progress`: a progress bar on stderr for payloads over 64 MiB (default: when stderr is a
     terminal).
@@ -94,8 +96,14 @@ def connect(
     """
     trusted = load_trust(trust) if trust is not None else None
     transport = open_transport(
-        GridTransport, ipfs, deliver_own=True, progress=wanted(progress)
-    )  # deliver_own: a worker may share this node
+        GridTransport,
+        ipfs,
+        deliver_own=True,  # a worker may share this node
+        progress=wanted(progress),
+        # with `trust`, nothing from another peer is even opened, on any topic
+        allow=trusted_peers(trusted) if trusted is not None else None,
+        closed_discovery=True,
+    )
     return grid_over(
         transport,
         trust=trusted,

@@ -11,13 +11,16 @@ Policy:
   raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s;
 - a name is the first announcing peer ID's (a worker restarted on its node keeps it); other
   claims are ignored (logged) while it is alive, and taken once it is silent DEAD_AFTER s, so
-  two directories can disagree on who `w` is. With `trust` (`load_trust`) only those peers,
-  for those names, are heard: no other peer joins this client's grid as a worker;
+  two directories can disagree on who `w` is. The latest rival claim of each name is kept:
+  a client that would pin a name two live peers claim raises GridError naming both (`wait`),
+  rather than pick one. With `trust` (`load_trust`) only those peers, for those names, are
+  heard: no other peer joins this client's grid as a worker;
 - bounded, since any peer may announce anything: SEEN_KEPT names, past half of them
-  NAMES_PER_PEER per node (`_room_for`); instances of MAX_INSTANCE characters; WARNED_KEPT
-  claims logged, once per name and node (once per node if untrusted or past its share);
+  NAMES_PER_PEER per node (`_room_for`); instances of MAX_INSTANCE characters; claims
+  ignored are logged a bounded number of times (safety/droplog.py);
 - a client pins the identity and instance it connected to: a restart under the name, or a
-  later owner of it, is a lost worker to that client, and nothing is sealed for it.
+  later owner of it, is a lost worker to that client, and nothing is sealed for it; a
+  message its transport opened from a pinned endpoint counts as a heartbeat (`heard`).
 Only a client's directory says who a worker is, and only to that client (its runs name each
 worker's identity, worker.py); a worker's own serves its rival check and `alive`.
 """
@@ -43,6 +46,7 @@ from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.secure import peer_of
 from gridgraph.exec.ipfs.transport import GridTransport
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
+from gridgraph.exec.safety.droplog import DropLog
 from gridgraph.exec.transport import Transport
 
 log = logging.getLogger("gridgraph.ipfs")
@@ -60,7 +64,6 @@ MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 
 SEEN_KEPT = 4096
 NAMES_PER_PEER = 64
 TYPO_AFTER = 2.0  # seconds of listening before a name that looks mistyped fails `wait`
-WARNED_KEPT = 1024  # (name, node) pairs logged once about; forgotten all at once past this
 
 
 def check_name(name: str) -> str:
@@ -173,7 +176,8 @@ class Directory:
         self._names_of: dict[str, int] = {}  # node -> how many names in _seen it announced
         self._pruned_at = -math.inf  # when silent names were last dropped (_room_for)
         self._pinned: dict[str, Seen] = {}  # name -> what this client connected to
-        self._warned: set[tuple[str, str]] = set()  # (name, node) claims logged about
+        self._rivals: dict[str, tuple[str, float]] = {}  # name -> latest other claimant, when
+        self._drops = DropLog(log)
         self._cv = threading.Condition()
 
     def on_message(self, sender: str, payload: bytes) -> None:
@@ -188,30 +192,33 @@ class Directory:
             if not isinstance(instance, str) or not 0 < len(instance) <= MAX_INSTANCE:
                 raise ValueError(f"no instance of 1 to {MAX_INSTANCE} characters")
         except ValueError as e:  # WireError is a ValueError
-            log.warning("ignored a discovery message from %s: %s", sender, e)
+            self._drops.warning(
+                peer_of(sender), "ignored a discovery message from %s: %s", peer_of(sender), e
+            )
             return
         now = time.monotonic()
         with self._cv:
             if not trusts(self.trust, name, sender):
-                if self._first_warning(None, sender):  # (names are free: once per node)
-                    log.warning("peer %s announces worker %r but is not trusted; ignored",
-                                peer_of(sender), name)  # fmt: skip
+                self._drops.warning(peer_of(sender), "peer %s announces worker %r but is not "
+                                    "trusted; ignored", peer_of(sender), name)  # fmt: skip
                 return
             known = self._seen.get(name)
             owner = known is not None and peer_of(known.identity) == peer_of(sender)
             if known is not None and not owner and self._fresh(known, now):
-                if self._first_warning(name, sender):
-                    log.warning(
-                        "peer %s claims worker name %r, which belongs to live peer %s; ignored",
-                        peer_of(sender),
-                        name,
-                        peer_of(known.identity),
-                    )
+                if msg["kind"] == "announce":
+                    self._rivals[name] = (sender, now)  # (one per name in _seen)
+                self._drops.warning(
+                    peer_of(sender),
+                    "peer %s claims worker name %r, which belongs to live peer %s; ignored",
+                    peer_of(sender),
+                    name,
+                    peer_of(known.identity),
+                )
                 return
             if known is None and msg["kind"] == "announce" and not self._room_for(sender, now):
-                if self._first_warning(None, sender):
-                    log.warning("peer %s announces more worker names than a directory keeps "
-                                "for one node; %r ignored", peer_of(sender), name)  # fmt: skip
+                self._drops.warning(peer_of(sender), "peer %s announces more worker names than "
+                                    "a directory keeps for one node; %r ignored",
+                                    peer_of(sender), name)  # fmt: skip
                 return
             if msg["kind"] == "announce":
                 lease = msg.get("lease")
@@ -226,17 +233,31 @@ class Directory:
     def _fresh(self, seen: Seen, now: float) -> bool:
         return not seen.gone and now - seen.last_seen <= self.dead_after
 
-    def _first_warning(self, name: str | None, sender: str) -> bool:
-        """(under _cv) Whether a claim of `name` (None: of any name) by `sender`'s node is
-        logged: once per name and node (a node makes keys at will), for the WARNED_KEPT
-        latest pairs."""
-        key = (name, peer_of(sender))
-        if key in self._warned:
-            return False
-        if len(self._warned) >= WARNED_KEPT:
-            self._warned.clear()
-        self._warned.add(key)
-        return True
+    def heard(self, identity: str) -> None:
+        """A message from endpoint `identity` was opened (sealed by its key, signed by its
+        node): the pinned names it owns are alive, as if it had announced them now. So a
+        client's workers stay alive to it while they answer, whatever delays the discovery
+        topic."""
+        with self._cv:
+            for name, pinned in self._pinned.items():
+                seen = self._seen.get(name)
+                if pinned.identity == identity and seen is not None and seen.identity == identity:
+                    seen.last_seen = max(seen.last_seen, time.monotonic())
+
+    def _contested(self, names: list[str], now: float) -> None:
+        """(under _cv) Raise GridError if a name not pinned yet has a live rival claimant."""
+        for name in names:
+            rival = self._rivals.get(name)
+            if name in self._pinned or rival is None or now - rival[1] > self.dead_after:
+                continue
+            owner, other = peer_of(self._seen[name].identity), peer_of(rival[0])
+            if owner != other:
+                raise GridError(
+                    f"worker name {name!r} is claimed by two peers, {owner} and {other}: on an "
+                    f"open grid any peer may announce any name, and this client will not pick "
+                    f"one. Connect with trust={{{name!r}: PEER_ID}} naming the right one "
+                    f"(`gridgraph id --ipfs ADDR` on its node prints its peer ID)"
+                )
 
     def _room_for(self, sender: str, now: float) -> bool:
         """(under _cv) Whether a name new here, announced by `sender`, may be kept (see
@@ -252,6 +273,7 @@ class Directory:
             self._seen = {
                 n: s for n, s in self._seen.items() if self._fresh(s, now) or n in self._pinned
             }
+            self._rivals = {n: r for n, r in self._rivals.items() if n in self._seen}
             self._names_of = {}
             for seen in self._seen.values():
                 self._count(None, seen.identity)
@@ -342,10 +364,11 @@ class Directory:
     ) -> list[str]:
         """Wait until `names` (or at least `min_workers` workers) are alive; return the names.
 
-        Without `names`, keeps listening until `settle` s have passed, so every live worker
-        has announced itself at least once. With `pin`, pins the names returned in the same
-        hold of the lock: a full directory dropping silent names in between could otherwise
-        drop one of them first. Raises GridError at `timeout`.
+        Keeps listening until `settle` s have passed, so every live worker (and every rival
+        claimant of a name) has announced itself at least once. With `pin`, pins the names
+        returned in the same hold of the lock: a full directory dropping silent names in
+        between could otherwise drop one of them first; a name not pinned yet that two live
+        peers claim raises GridError naming both. Raises GridError at `timeout`.
         """
         start = time.monotonic()
         with self._cv:
@@ -353,8 +376,9 @@ class Directory:
                 live = self.live()
                 now = time.monotonic()
                 found = None
+                settled = now - start >= settle or now - start > timeout
                 if names is not None:
-                    if all(n in live for n in names):
+                    if all(n in live for n in names) and settled:
                         found = list(names)
                     elif now - start >= TYPO_AFTER:  # heard from every live worker by now
                         typos = {n: t for n in names if n not in live and (t := typo_of(n, live))}
@@ -364,10 +388,11 @@ class Directory:
                                 f"mean {', '.join(map(repr, typos.values()))}? (live: "
                                 f"{', '.join(live)})"
                             )
-                elif len(live) >= min_workers and (now - start >= settle or now - start > timeout):
+                elif len(live) >= min_workers and settled:
                     found = live
                 if found is not None:
                     if pin:
+                        self._contested(found, now)
                         self.pin(found)
                     return found
                 if now - start > timeout:

@@ -43,6 +43,7 @@ from gridgraph.exec.transport import NotSent
 MAX_BLOCK_SIZE = 1 << 20
 PUBLISH_TRIES = 16  # a publish Kubo refused as "validation ignored" is sent again (pubsub_pub)
 API_BASE = "api/v0"
+MAX_RECORD_OVERHEAD = 4096  # bytes of a pubsub/sub line besides its data (sender, seqno, topics)
 
 
 class KuboError(RuntimeError):
@@ -123,10 +124,16 @@ class Subscription:
     the URL ipfshttpclient computes, and `close()` shuts the socket down, which does wake it.
     """
 
-    def __init__(self, addr: str, topic: str, connect_timeout: float) -> None:
+    def __init__(
+        self, addr: str, topic: str, connect_timeout: float, max_data: int | None = None
+    ) -> None:
         host, port, base = _rpc_endpoint(addr)
         query = urllib.parse.urlencode({"arg": mb_encode(topic.encode())})
         self.topic = topic
+        # A line longer than a message of `max_data` bytes can make is skipped unread: on
+        # the discovery topic, open to every peer, a flood of 0.9 MB messages is not parsed.
+        self.max_line = None if max_data is None else 4 * max_data // 3 + MAX_RECORD_OVERHEAD
+        self.skipped = 0  # lines skipped for their size
         self._closed = threading.Event()
         self._conn = http.client.HTTPConnection(host, port, timeout=connect_timeout)
         try:
@@ -164,6 +171,9 @@ class Subscription:
                     return
                 raise KuboError(f"pubsub/sub {self.topic!r} stream ended (daemon stopped?)")
             if not line.strip():
+                continue
+            if self.max_line is not None and len(line) > self.max_line:
+                self.skipped += 1
                 continue
             record = json.loads(line)
             yield PubsubMessage(
@@ -282,9 +292,10 @@ class Kubo:
                     raise PublishRefused(str(e)) from e
                 time.sleep(0.001 * 2 ** min(attempt, 6) * random.uniform(0.5, 1.5))
 
-    def pubsub_sub(self, topic: str) -> Subscription:
-        """Open a subscription stream; the topic is subscribed once this returns."""
-        return Subscription(self.addr, topic, connect_timeout=self.timeout)
+    def pubsub_sub(self, topic: str, max_data: int | None = None) -> Subscription:
+        """Open a subscription stream; the topic is subscribed once this returns. Messages
+        whose data is over `max_data` bytes (when given) are skipped unparsed."""
+        return Subscription(self.addr, topic, connect_timeout=self.timeout, max_data=max_data)
 
     def pubsub_peers(self, topic: str) -> list[str]:
         """Peer ids connected to us that are subscribed to `topic`."""

@@ -19,6 +19,8 @@ Policy:
 - a large payload's blocks are sealed under a fresh key of its own (`seal_pieces`), which
   travels inside the sealed message that names them;
 - a counter seen before, or REPLAY_WINDOW below the sender's highest, is a replay;
+- what is read before the key opens it is an array of a few scalars, decoded at a cost its
+  size bounds (wire.unpackb);
 - every failure to open (wrong key, truncated or tampered ciphertext, a replayed counter,
   garbage) raises `Rejected`, naming what was wrong; callers log it and drop the message.
 """
@@ -39,6 +41,8 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from gridgraph.exec import wire
 
 VERSION = 2
 KEY_BYTES = 32
@@ -194,9 +198,11 @@ class Channel:
 
         Raises Rejected if it was not sealed for this endpoint by a key of `peer`, was
         altered or truncated, or is a replay."""
-        try:
-            version, public, counter, ciphertext = msgpack.unpackb(message)
-        except Exception as e:  # msgpack raises several unrelated types; or not 4 items
+        try:  # (an array of 4 scalars: nothing else is built, whatever the message holds)
+            version, public, counter, ciphertext = wire.unpackb(
+                message, max_containers=1, max_array_len=4, max_map_len=0
+            )
+        except (wire.WireError, TypeError, ValueError) as e:  # or not 4 items
             raise Rejected(f"not a sealed message: {e}") from e
         if version != VERSION or type(counter) is not int or not 0 < counter < 2**64:
             raise Rejected(f"not a version {VERSION} sealed message")
@@ -231,8 +237,10 @@ class Channel:
 def open_announcement(peer: str, message: bytes) -> tuple[str, bytes]:
     """(sender identity, body) of a message made by `Channel.announcement`."""
     try:
-        version, public, body = msgpack.unpackb(message)
-    except Exception as e:
+        version, public, body = wire.unpackb(
+            message, max_containers=1, max_array_len=3, max_map_len=0
+        )
+    except (wire.WireError, TypeError, ValueError) as e:
         raise Rejected(f"not an announcement: {e}") from e
     if version != VERSION or not isinstance(body, bytes):
         raise Rejected(f"not a version {VERSION} announcement")

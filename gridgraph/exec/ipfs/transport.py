@@ -9,6 +9,12 @@ the large payloads kept for resending (STORED_KEPT) and ids of those received (D
 Policy:
 - a payload over INLINE_MAX travels as BLOCK_SIZE blocks that its message names: under
   go-libp2p-pubsub's 1 MiB message cap (it drops larger ones silently) and the block cap;
+- nothing is opened before it is worth opening (`_refusal`, on the reader thread): a
+  message from a peer not in `allow` (sealed: not on the discovery topic, unless
+  `closed_discovery`), over its topic's size (MAX_ANNOUNCEMENT on the discovery topic, open
+  to every peer; MAX_ACK on an ack topic: longer lines are not even parsed, kubo.py) or over
+  its node's rate of messages on the topic (DISCOVERY_RATE, MESSAGE_RATE) is dropped, and
+  what is opened is decoded with caps on its containers (wire.unpackb);
 - the reader thread never waits on the network (`_receive`): block payloads are fetched by
   ASSEMBLERS assemblers, shared fairly among the sending peers (`_admit`: at most
   PENDING_PER_PEER each, and never more than `budget.fair_share` of them while others wait;
@@ -21,9 +27,9 @@ Policy:
   not in `allow` is dropped before anything is opened;
 - a receiver removes its copies of a payload's blocks, opened or not (`_release`: but a
   same-node sender's), and acks; the sender then removes its own, else at eviction or `close()`;
-- a malformed or unopenable message, an unfetched block or a failing handler is logged and
-  dropped; a broken stream is reopened until `close()`; a node's own publications are
-  skipped unless `deliver_own`.
+- a malformed or unopenable message, an unfetched block or a failing handler is logged (a
+  bounded number of lines, safety/droplog.py) and dropped; a broken stream is reopened until
+  `close()`; a node's own publications are skipped unless `deliver_own`.
 """
 
 from __future__ import annotations
@@ -41,11 +47,14 @@ from typing import Protocol
 
 import msgpack
 
+from gridgraph.exec import wire
 from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import MAX_BLOCK_SIZE, Kubo, KuboError, Subscription
 from gridgraph.exec.ipfs.progress import Progress
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_of_topic, worker_of_topic
 from gridgraph.exec.safety.budget import MemoryBudget, fair_share
+from gridgraph.exec.safety.droplog import DropLog
+from gridgraph.exec.safety.limits import RateLimiter
 from gridgraph.exec.transport import Handler, Transport
 
 log = logging.getLogger(__name__)
@@ -57,6 +66,9 @@ class WorkerNames(Protocol):
     def identity(self, name: str, wait: float = 0.0) -> str | None:
         """The identity of worker `name`, waiting up to `wait` s to hear of it; None if
         unknown."""
+
+    def heard(self, identity: str) -> None:
+        """A message sealed by endpoint `identity` was opened: it is alive."""
 
 
 ENVELOPE_VERSION = 1
@@ -74,6 +86,10 @@ BLOB_ID_BYTES = 16  # a large payload's id: random, made by its sender
 SEALED_INLINE = b"\x00"  # + the payload: what GridTransport seals, for an inline payload
 SEALED_BLOCKS = b"\x01"  # + msgpack {"b": [[cid, size], ...], "t": total, "k": key, "i": id}
 ACK_PREFIX = "gridgraph.ack."  # + endpoint identity
+MAX_ANNOUNCEMENT = 4096  # bytes of a discovery message (a heartbeat has ~150)
+MAX_ACK = 256  # bytes of a message on an ack topic (a sealed ack has ~90)
+DISCOVERY_RATE, DISCOVERY_BURST = 16.0, 64  # per sending node (which may run many workers)
+MESSAGE_RATE, MESSAGE_BURST = 1000.0, 4000  # other messages a second per node and topic
 assert BLOCK_SIZE + secure.TAG_BYTES <= MAX_BLOCK_SIZE
 
 
@@ -110,10 +126,10 @@ def sealed_blocks(blocks: list[tuple[str, int]], total: int, key: bytes, blob: b
 
 def unpack(message: bytes) -> dict:
     """Decode and validate an envelope; raise MalformedEnvelope if it is not one."""
-    try:
-        envelope = msgpack.unpackb(message, raw=False)
-    except Exception as error:  # msgpack raises several unrelated types
-        raise MalformedEnvelope(f"not msgpack: {error}") from error
+    try:  # (a map, and a list per block: each block's reference has 40 bytes or more)
+        envelope = wire.unpackb(message, max_containers=2 + len(message) // 40, raw=False)
+    except wire.WireError as error:
+        raise MalformedEnvelope(f"not an envelope: {error}") from error
     if not isinstance(envelope, dict) or envelope.get("v") != ENVELOPE_VERSION:
         raise MalformedEnvelope(f"not a version {ENVELOPE_VERSION} envelope")
     return check_envelope(envelope)
@@ -178,6 +194,11 @@ class IpfsTransport(Transport):
         # what the payloads being fetched will hold, per sending peer (a worker's, shared
         # with its runtime: one budget for its network process)
         self.budget = budget or MemoryBudget(None)
+        self._drops = DropLog(log)
+        self._rates = {  # (discovery?) -> messages per sending node (and topic)
+            True: RateLimiter(DISCOVERY_RATE, DISCOVERY_BURST),
+            False: RateLimiter(MESSAGE_RATE, MESSAGE_BURST),
+        }
         self._assembler = ThreadPoolExecutor(ASSEMBLERS, thread_name_prefix="ipfs-assemble")
         self._fetcher = ThreadPoolExecutor(
             ASSEMBLERS * FETCH_WINDOW, thread_name_prefix="ipfs-fetch"
@@ -236,12 +257,24 @@ class IpfsTransport(Transport):
                 self._handlers[topic].append(handler)
                 return
             self._handlers[topic] = [handler]
-            self._streams[topic] = self.kubo.pubsub_sub(self.wire_topic(topic))
+            self._streams[topic] = self._sub(topic)
         thread = threading.Thread(
             target=self._read, args=(topic,), name=f"ipfs-sub-{topic}", daemon=True
         )
         self._threads.append(thread)
         thread.start()
+
+    def _sub(self, topic: str) -> Subscription:
+        return self.kubo.pubsub_sub(self.wire_topic(topic), max_data=self.max_message(topic))
+
+    def max_message(self, topic: str) -> int:
+        """The largest PubSub message read on `topic` (bytes): larger ones are dropped
+        unparsed. Announcements and acks are small; others are under go-libp2p-pubsub's cap."""
+        if topic == DISCOVERY_TOPIC:
+            return MAX_ANNOUNCEMENT
+        if topic.startswith(ACK_PREFIX):
+            return MAX_ACK
+        return MAX_BLOCK_SIZE
 
     def wait_for_peers(self, topic: str, n: int, timeout: float = 10.0) -> list[str]:
         """Wait until at least `n` connected peers subscribe to `topic`; return their ids
@@ -291,7 +324,7 @@ class IpfsTransport(Transport):
             time.sleep(backoff)
             backoff = min(2 * backoff, 5.0)
             try:
-                reopened = self.kubo.pubsub_sub(self.wire_topic(topic))
+                reopened = self._sub(topic)
             except KuboError as error:
                 log.warning("cannot reopen pubsub stream for %r: %s", topic, error)
                 continue
@@ -304,11 +337,17 @@ class IpfsTransport(Transport):
         """On the reader thread: open the message; hand inline data over (handlers only
         enqueue), and leave a block payload to an assembler if `_admit` lets its sending
         peer have one more; else drop it (its sender resends). No payload waits behind
-        another peer's blocks."""
+        another peer's blocks. Nothing is opened that `_refusal` refuses."""
+        refusal = self._refusal(topic, peer, len(message))
+        if refusal is not None:
+            if refusal:  # ("": dropped as a matter of course, not worth a line)
+                self._drops.warning(peer, "dropped a message on %r from %s: %s", topic, peer,
+                                    refusal)  # fmt: skip
+            return
         try:
             opened = self._open(topic, peer, message)
         except (MalformedEnvelope, secure.Rejected) as error:
-            log.warning("dropped message on %r from %s: %s", topic, peer, error)
+            self._drops.warning(peer, "dropped message on %r from %s: %s", topic, peer, error)
             return
         if opened is None:
             return
@@ -335,12 +374,14 @@ class IpfsTransport(Transport):
             pending = self._pending.get(peer, 0)
             share = fair_share(ASSEMBLERS, len(self._pending.keys() | {peer}))
             if pending >= min(PENDING_PER_PEER, share) or sum(self._pending.values()) >= ASSEMBLERS:
-                log.warning("dropped a %d-byte message on %r from %s: %d of its payloads "
-                            "are being fetched already", size, topic, peer, pending)  # fmt: skip
+                self._drops.warning(peer, "dropped a %d-byte message on %r from %s: %d of its "
+                                    "payloads are being fetched already", size, topic, peer,
+                                    pending)  # fmt: skip
                 return False
             if not self.budget.charge(peer, size):
-                log.warning("dropped a %d-byte message on %r from %s: %s", size, topic, peer,
-                            self.budget.refusal(peer, size, "its payload"))  # fmt: skip
+                refusal = self.budget.refusal(peer, size, "its payload")
+                self._drops.warning(peer, "dropped a %d-byte message on %r from %s: %s", size,
+                                    topic, peer, refusal)  # fmt: skip
                 return False
             self._pending[peer] = pending + 1
             return True
@@ -358,7 +399,7 @@ class IpfsTransport(Transport):
                 bar.close()
             payload = self._join(envelope, pieces)
         except (MalformedEnvelope, secure.Rejected, KuboError) as error:
-            log.warning("dropped message on %r from %s: %s", topic, peer, error)
+            self._drops.warning(peer, "dropped message on %r from %s: %s", topic, peer, error)
             return
         except Exception:
             if not self._closed.is_set():  # else: the fetcher was shut down under us
@@ -416,6 +457,17 @@ class IpfsTransport(Transport):
 
     # --- what the secure layer overrides ---------------------------------------------------
 
+    def _refusal(self, topic: str, peer: str, size: int) -> str | None:
+        """Why a message of `size` bytes from node `peer` on `topic` is dropped unopened (its
+        size, its node's rate; "" for a drop not worth a log line), or None."""
+        if size > self.max_message(topic):
+            return f"{size} bytes, over the {self.max_message(topic)} this topic takes"
+        discovery = topic == DISCOVERY_TOPIC
+        if not self._rates[discovery].allow(peer if discovery else f"{peer} {topic}"):
+            rate = DISCOVERY_RATE if discovery else MESSAGE_RATE
+            return f"over its rate of {rate:g} messages a second on this topic"
+        return None
+
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
         """(sender, checked envelope) of a message, or None to skip it silently."""
         return peer, unpack(message)
@@ -466,8 +518,11 @@ class GridTransport(IpfsTransport):
     (`_received`); the sender then removes its own (`_on_ack`). Unacknowledged blocks go when
     they fall out of the STORED_KEPT payloads kept for resending, and at `close()`. A large
     payload sent again to the same receiver before it acknowledged the first copy reuses the
-    blocks. `allow`: peer IDs whose messages are served (the discovery topic excepted); others
-    are dropped, with a log line, before anything is opened.
+    blocks. `allow`: peer IDs whose messages are served (the discovery topic excepted, unless
+    `closed_discovery`: a client that trusts only some workers hears only them); others are
+    dropped, with a log line, before anything is opened. A message opened from an endpoint
+    tells `directory` it is alive (`heard`): a worker's replies keep it alive to its client
+    whatever floods the discovery topic.
     """
 
     def __init__(
@@ -475,6 +530,7 @@ class GridTransport(IpfsTransport):
         api: str,
         *,
         allow: Iterable[str] | None = None,
+        closed_discovery: bool = False,
         progress: bool = False,
         resolve_wait: float = 2.0,
         **kwargs,
@@ -484,6 +540,7 @@ class GridTransport(IpfsTransport):
         self.identity = self.channel.identity
         self.directory: WorkerNames | None = None
         self.allow = None if allow is None else frozenset(allow) | {self.peer}
+        self.closed_discovery = closed_discovery and allow is not None
         self.progress = progress
         self.resolve_wait = resolve_wait  # how long to wait to hear of a worker named in a topic
         self._stored: OrderedDict[tuple[bytes, str], _Stored] = OrderedDict()
@@ -558,13 +615,23 @@ class GridTransport(IpfsTransport):
         self._remove([cid for old in evicted for cid, _ in old.blocks])
         return stored
 
+    def _refusal(self, topic: str, peer: str, size: int) -> str | None:
+        """(and a peer not in `allow`: on a closed discovery topic, silently, since other
+        peers' workers announce themselves there all the time)"""
+        if self.allow is not None and peer not in self.allow:
+            if topic != DISCOVERY_TOPIC:
+                return f"peer {peer} is not among the peers this endpoint serves"
+            if self.closed_discovery:
+                return ""
+        return super()._refusal(topic, peer, size)
+
     def _open(self, topic: str, peer: str, message: bytes) -> tuple[str, dict] | None:
         if topic == DISCOVERY_TOPIC:
             sender, body = secure.open_announcement(peer, message)
             return sender, {"d": body}
-        if self.allow is not None and peer not in self.allow:
-            raise secure.Rejected(f"peer {peer} is not among the peers this endpoint serves")
         sender, body = self.channel.open(peer, topic, message)
+        if self.directory is not None:
+            self.directory.heard(sender)
         kind = body[:1]
         if kind == SEALED_INLINE:
             return sender, {"d": body[1:]}
@@ -575,9 +642,9 @@ class GridTransport(IpfsTransport):
             # peer that saw our identity could make us wait on)
             raise MalformedEnvelope("an ack names blocks")
         try:
-            envelope = msgpack.unpackb(body[1:])
-        except Exception as error:
-            raise MalformedEnvelope(f"sealed block list is not msgpack: {error}") from error
+            envelope = wire.unpackb(body[1:], max_containers=2 + len(body) // 40)
+        except wire.WireError as error:
+            raise MalformedEnvelope(f"sealed block list: {error}") from error
         if not isinstance(envelope, dict) or "d" in envelope:
             raise MalformedEnvelope("sealed block list is not a map of blocks")
         check_envelope(envelope)
@@ -648,9 +715,9 @@ class GridTransport(IpfsTransport):
 
     def _on_ack(self, sender: str, payload: bytes) -> None:
         try:
-            blob = msgpack.unpackb(payload).get("i")
-        except Exception:
-            log.warning("dropped a malformed ack from %s", sender)
+            blob = wire.unpackb(payload, max_containers=1, max_map_len=1).get("i")
+        except (wire.WireError, AttributeError):
+            self._drops.warning(sender, "dropped a malformed ack from %s", sender)
             return
         with self._stored_lock:
             acked = [k for k, s in self._stored.items() if s.id == blob and k[1] == sender]

@@ -186,7 +186,8 @@ def format_size(n: int) -> str:
 
 
 class RateLimiter:
-    """A token bucket per peer: `rate` requests a second, bursts of up to `burst`."""
+    """A token bucket per peer: `rate` requests (or bytes, ...: each `allow` says how many
+    it takes) a second, bursts of up to `burst`."""
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
@@ -194,8 +195,8 @@ class RateLimiter:
         self._forget_past = 100_000  # peers tracked before the long-gone ones are forgotten
         self._lock = threading.Lock()
 
-    def allow(self, peer: str) -> bool:
-        """Take one token from `peer`'s bucket; False if it is empty."""
+    def allow(self, peer: str, cost: float = 1.0) -> bool:
+        """Take `cost` tokens from `peer`'s bucket; False (taking none) if it has fewer."""
         if math.isinf(self.rate):
             return True
         now = time.monotonic()
@@ -212,9 +213,20 @@ class RateLimiter:
                 }
                 # rebuilt again once the table has doubled, not on every request
                 self._forget_past = max(100_000, 2 * len(self._buckets))
-            ok = tokens >= 1
-            self._buckets[peer] = (tokens - 1 if ok else tokens, now)
+            ok = tokens >= cost
+            self._buckets[peer] = (tokens - cost if ok else tokens, now)
             return ok
+
+    def charge(self, peer: str, cost: float) -> None:
+        """Take `cost` more tokens from `peer`'s bucket, below zero if need be: it waits
+        until the bucket refills past one again."""
+        if math.isinf(self.rate):
+            return
+        now = time.monotonic()
+        with self._lock:
+            tokens, updated = self._buckets.get(peer, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - updated) * self.rate)
+            self._buckets[peer] = (tokens - cost, now)
 
 
 # --- a program's footprint from meta shapes --------------------------------------------------

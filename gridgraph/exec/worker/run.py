@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from gridgraph.exec import resend, wire
-from gridgraph.exec.protocol import MAX_NAME, UNKNOWN_PLAN, is_name
+from gridgraph.exec.protocol import MAX_CLIENT_KEY, MAX_NAME, UNKNOWN_PLAN, is_name
 from gridgraph.exec.safety.limits import (
     LimitExceeded,
     Limits,
@@ -133,6 +133,21 @@ def resend_wait(seconds: float) -> float:
 def transfer_key(msg: dict) -> tuple[int, int]:
     """(run, first value id) of a transfer message this worker made."""
     return msg["run"], msg["values"][0]
+
+
+def checked_transfer_key(
+    run: object, value: object, worker: object, client: object
+) -> tuple[int, int, str] | None:
+    """(run, value id, worker) of a transfer, or of an ask to resend one, from what its
+    message says; None if that is no key: the ids must be ints (int() of an infinite one
+    raised past the checks), the worker a name a run may name (the key is kept, and one no
+    run may name would sit in an inbox unused), the client key a string of at most
+    MAX_CLIENT_KEY characters."""
+    if type(run) is not int or type(value) is not int or not is_name(worker):
+        return None
+    if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
+        return None
+    return run, value, worker
 
 
 def one_tensor_per_value(values: list, tensors: object) -> bool:

@@ -45,6 +45,7 @@ from typing import Any
 
 from gridgraph.exec.protocol import MAX_ACK_IDS, SESSION_LOST, is_name, request_number
 from gridgraph.exec.safety.budget import QUEUED_BYTES
+from gridgraph.exec.safety.droplog import DropLog
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -53,6 +54,7 @@ from gridgraph.exec.transport import TrafficCounter
 from gridgraph.exec.worker.workspace import Workspace
 
 log = logging.getLogger("gridgraph.worker")
+_drops = DropLog(log)
 
 NAMED_KEPT = 256  # identities of workers a session's runs named, the latest kept
 # Bytes of unacknowledged replies kept per session, to answer a resent request again: past
@@ -372,8 +374,9 @@ class Session:
             self._uncharge(key, who, p)
         payload = got.pop(sender)
         for other in got:
-            log.warning("client %s: dropped a transfer claiming to come from %s: sent by %s, "
-                        "not by the identity its run names", self.key, key[2], other)  # fmt: skip
+            _drops.warning(other, "client %s: dropped a transfer claiming to come from %s: "
+                           "sent by %s, not by the identity its run names", self.key, key[2],
+                           other)  # fmt: skip
         self.received[key] = None
         while len(self.received) > TRANSFERS_KEPT:
             self.received.popitem(last=False)

@@ -10,13 +10,15 @@ never named it; the serving threads; one outbox and its sender thread. A peer, f
 per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node).
 
 Policy:
-- the transport's thread only decodes, checks and enqueues (`on_message`); each session's
-  requests run in arrival order on a thread of its own (`_drain`), its runs in the order
-  its client sent them (a run that overtook the one before it waits, session.py `held`),
-  in its executor process when the worker was given an `Isolation` (isolation/executor.py):
-  no client's long program delays another's; a cancelled run stops between ops;
+- the transport's thread only opens (safety/intake.py: size, its peer's rate of header
+  bytes, then decoding with caps), checks and enqueues (`on_message`); each session's
+  requests run in arrival order on a thread of its own (`_drain`), its runs in the order its
+  client sent them (session.py `held`), in its executor process when the worker was given
+  an `Isolation`: no client's long program delays another's; a cancelled run stops between
+  ops;
 - exactly once: a request id runs at most once per session, and every accepted request gets
-  exactly one reply; a refused one changes nothing (`_accept_request` has the rules);
+  exactly one reply; a refused one changes nothing (`_accept_request` has the rules); drops
+  are logged a bounded number of times (safety/droplog.py);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
   request rate and its refusals' rate, its share of the network process's memory (`budget`,
   safety/budget.py: what waits in queues, records, transfers) and of the executor places
@@ -39,16 +41,16 @@ from collections.abc import Callable
 from gridgraph.exec import wire
 from gridgraph.exec.protocol import (
     ALREADY_SERVED,
-    MAX_CLIENT_KEY,
     MAX_REQUEST_ID,
     MAX_SESSION_ID,
     REQUEST_KINDS,
     SESSION_ENDED,
     client_topic,
-    is_name,
     worker_topic,
 )
 from gridgraph.exec.safety.budget import QUEUED_BYTES, MemoryBudget
+from gridgraph.exec.safety.droplog import DropLog
+from gridgraph.exec.safety.intake import Intake
 from gridgraph.exec.safety.limits import (
     RECORD_BYTES,
     TRANSFER_BYTES,
@@ -63,6 +65,7 @@ from gridgraph.exec.worker.run import (
     Isolation,
     UpstreamFailed,
     answer,
+    checked_transfer_key,
     encode_reply,
     error_body,
     one_tensor_per_value,
@@ -136,6 +139,8 @@ class Worker:
         # Refusals a peer over its rate is sent, at the same rate: past both, its requests
         # are dropped unanswered (each refusal is a message from the one sender thread).
         self._refusals = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
+        self._drops = DropLog(log)
+        self._intake = Intake(name, self.limits, self._drops)  # (size, header rate, decode)
         # Publications decided on the transport's thread go out from this one thread:
         # (topic, payload, the identity it is for or None for the topic's own).
         self._outbox: queue.Queue = queue.Queue()
@@ -148,14 +153,8 @@ class Worker:
     # --- receiving (the transport's thread: check, enqueue, never block) -------------------
 
     def on_message(self, sender: str, payload: bytes) -> None:
-        if len(payload) > self.limits.max_message_bytes:
-            log.warning("%s: dropped a %d-byte message from %s, over the limit of %d",
-                        self.name, len(payload), sender, self.limits.max_message_bytes)  # fmt: skip
-            return
-        try:
-            msg = wire.decode(payload)
-        except wire.WireError as e:
-            log.warning("%s: dropped a malformed message from %s: %s", self.name, sender, e)
+        msg = self._intake.open(self.transport.owner(sender), sender, payload)
+        if msg is None:
             return
         try:
             kind = msg["kind"]
@@ -200,11 +199,13 @@ class Worker:
         topic for that session (`client_topic`), which no request names."""
         rid, session_id = msg.get("id"), msg.get("session")
         if not isinstance(rid, str) or not isinstance(session_id, str):
-            log.warning("%s: dropped a %.40r request without id or session", self.name, msg["kind"])
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a %.40r request "
+                                "without id or session", self.name, msg["kind"])  # fmt: skip
             return
         if len(rid) > MAX_REQUEST_ID:  # (a reply names its request: it would echo the id)
-            log.warning("%s: dropped a %.40r request whose id has %d characters, over %d",
-                        self.name, msg["kind"], len(rid), MAX_REQUEST_ID)  # fmt: skip
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a %.40r request "
+                                "whose id has %d characters, over %d", self.name, msg["kind"],
+                                len(rid), MAX_REQUEST_ID)  # fmt: skip
             return
         # Replies go only to the sender's own topic: no request names where they go.
         reply_to = client_topic(sender, session_id)
@@ -416,9 +417,10 @@ class Worker:
         naming the limit, and dropped when not even that fits."""
         values = msg.get("values")
         first = values[0] if isinstance(values, list) and values else None
-        key = _transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
+        key = checked_transfer_key(msg.get("run"), first, msg.get("src"), msg.get("client"))
         if key is None:
-            log.warning("%s: dropped a malformed transfer from %s", self.name, sender)
+            self._drops.warning(self.transport.owner(sender), "%s: dropped a malformed transfer "
+                                "from %s", self.name, sender)  # fmt: skip
             return
         client = msg["client"]
         session = self._session(client, client.split("/", 1)[0], create=False)
@@ -452,8 +454,8 @@ class Worker:
             if not fits(payload):
                 # Not even the error fits: kept, errors under keys no run takes would grow
                 # the inbox past the limit without bound. A run waiting for it times out.
-                log.warning("%s: dropped a transfer for %s: its memory limit is reached",
-                            self.name, client)  # fmt: skip
+                self._drops.warning(owner, "%s: dropped a transfer for %s: its memory limit "
+                                    "is reached", self.name, client)  # fmt: skip
                 return
         # Kept with its sender, whoever that is: a run takes it only from the identity its
         # client named for the sending worker.
@@ -466,12 +468,15 @@ class Worker:
         try:
             return self._session(client, peer, create=True, opened_by=opened_by)
         except (RequestError, LimitExceeded) as e:
-            log.warning("%s: dropped a transfer for %s: %s", self.name, client, e)
+            self._drops.warning(opened_by, "%s: dropped a transfer for %s: %s", self.name,
+                                client, e)  # fmt: skip
             return None
 
     def _resend(self, sender: str, msg: dict) -> None:  # ipfs:
         """Send a kept transfer again, if the identity it was sent to asks for it."""
-        key = _transfer_key(msg.get("run"), msg.get("value"), msg.get("dst"), msg.get("client"))
+        key = checked_transfer_key(
+            msg.get("run"), msg.get("value"), msg.get("dst"), msg.get("client")
+        )
         if key is None:
             return
         session = self._session(msg["client"], "", create=False)
@@ -781,21 +786,6 @@ class Worker:
             serving = list(self._serving)
         for thread in [self._sender, *serving]:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _transfer_key(
-    run: object, value: object, worker: object, client: object
-) -> tuple[int, int, str] | None:
-    """(run, value id, worker) of a transfer, or of an ask to resend one, from what its
-    message says; None if that is no key: the ids must be ints (int() of an infinite one
-    raised past the checks), the worker a name a run may name (the key is kept, and one no
-    run may name would sit in an inbox unused), the client key a string of at most
-    MAX_CLIENT_KEY characters."""
-    if type(run) is not int or type(value) is not int or not is_name(worker):
-        return None
-    if not isinstance(client, str) or len(client) > MAX_CLIENT_KEY:
-        return None
-    return run, value, worker
 
 
 def _client_key(sender: str, msg: dict) -> str:

@@ -11,9 +11,13 @@ import logging
 import time
 from collections import Counter
 
+import pytest
+
+from gridgraph.errors import GridError
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs import discovery, secure
 from gridgraph.exec.ipfs.discovery import Directory
+from gridgraph.exec.safety import droplog
 
 
 def announce(directory: Directory, sender: str, name: str, instance: str = "0123456789ab"):
@@ -78,14 +82,16 @@ def test_claims_by_untrusted_or_rival_peers_are_remembered_boundedly(caplog):
     # Each (name, sender identity) warned about was remembered, and a node makes keys at
     # will: 20,000 claims held 6 MiB, without end. A bad name was logged whole.
     directory = Directory(trust={"w0": "12D3KooWtrusted"})
-    for n in range(3 * discovery.WARNED_KEPT):
-        announce(directory, identity("12D3KooWflood", n), "w0")
-    assert len(directory._warned) <= discovery.WARNED_KEPT
+    for n in range(3 * droplog.KEPT):
+        announce(directory, identity(f"12D3KooWflood{n}"), "w0")
+    assert len(directory._drops._last) <= droplog.KEPT
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gridgraph.ipfs"):
         for i in range(100):  # names are free too: logged once per node
             announce(directory, identity("12D3KooWflood"), f"n{i}")
     assert caplog.text.count("not trusted") <= 1
     caplog.clear()
+    directory = Directory()  # (the lines for 10 s are spent: a fresh log's)
     with caplog.at_level(logging.WARNING, logger="gridgraph.ipfs"):
         announce(directory, identity("12D3KooWflood"), "bad name " + "x" * (512 << 10))
     assert "bad worker name" in caplog.text
@@ -125,3 +131,60 @@ def test_typo_of_points_at_typos_not_at_siblings():
         assert discovery.typo_of(name, live) == meant, name
     for sibling in ("w2", "w10", "w01", "worker2", "node-b", "wk"):
         assert discovery.typo_of(sibling, live) is None, sibling
+
+
+def test_a_name_two_live_peers_claim_is_not_picked_but_named_with_both():
+    # A peer announcing "w0" 20 times a second: a fresh client resolved w0 to it 3 times out
+    # of 3 ("first announcement heard wins"), and the impostor received the client's tensor.
+    directory = Directory()
+    announce(directory, identity("12D3KooWimpostor"), "w0")
+    announce(directory, identity("12D3KooWworker"), "w0")
+    with pytest.raises(GridError) as error:
+        directory.wait(names=["w0"], timeout=1.0, pin=True)
+    assert "12D3KooWimpostor" in str(error.value) and "12D3KooWworker" in str(error.value)
+    assert "trust=" in str(error.value)
+    with pytest.raises(GridError, match="claimed by two peers"):  # asked for no names, too
+        directory.wait(min_workers=1, timeout=1.0, pin=True)
+
+
+def test_with_trust_the_trusted_claimant_is_picked():
+    directory = Directory(trust={"w0": "12D3KooWworker"})
+    announce(directory, identity("12D3KooWimpostor"), "w0")
+    announce(directory, identity("12D3KooWworker"), "w0")
+    announce(directory, identity("12D3KooWimpostor"), "w0")
+    assert directory.wait(names=["w0"], timeout=1.0, pin=True) == ["w0"]
+    assert secure.peer_of(directory.identity("w0")) == "12D3KooWworker"
+
+
+def test_a_client_that_pinned_a_name_keeps_its_worker_when_a_rival_claims_it():
+    directory = Directory()
+    worker = identity("12D3KooWworker")
+    announce(directory, worker, "w0")
+    assert directory.wait(names=["w0"], timeout=1.0, pin=True) == ["w0"]
+    announce(directory, identity("12D3KooWimpostor"), "w0")
+    assert directory.wait(names=["w0"], timeout=1.0, pin=True) == ["w0"]
+    assert directory.identity("w0") == worker and directory.alive("w0")
+
+
+def test_a_rival_silent_for_dead_after_no_longer_contests_a_name():
+    directory = Directory(dead_after=0.2)
+    announce(directory, identity("12D3KooWgone"), "w0")
+    announce(directory, identity("12D3KooWworker"), "w0")  # a rival while the first is live
+    time.sleep(0.3)
+    announce(directory, identity("12D3KooWworker"), "w0")  # the first is silent: it takes it
+    assert directory.wait(names=["w0"], timeout=1.0, pin=True) == ["w0"]
+    assert secure.peer_of(directory.identity("w0")) == "12D3KooWworker"
+
+
+def test_a_message_opened_from_a_pinned_worker_keeps_it_alive():
+    directory = Directory(dead_after=0.3)
+    worker = identity("12D3KooWworker")
+    announce(directory, worker, "w0")
+    directory.wait(names=["w0"], timeout=1.0, pin=True)
+    for _ in range(4):  # no heartbeat for 0.6 s: its replies say it is alive
+        time.sleep(0.15)
+        directory.heard(worker)
+        directory.heard(identity("12D3KooWother"))
+    assert directory.alive("w0")
+    time.sleep(0.35)
+    assert not directory.alive("w0")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import msgpack
 import pytest
@@ -152,3 +153,22 @@ def test_progress_bar_draws_large_payloads_only():
     small.close()
     assert quiet.getvalue() == ""
     assert wanted(None, io.StringIO()) is False and wanted(True) is True
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [[[]] * 900_000, [[0]] * 300_000, [1, 2, 3, 4, [[]] * 900_000], list(range(900_000))],
+    ids=["empty lists", "small lists", "lists in a 5th item", "wide"],
+)
+def test_what_is_read_before_the_key_opens_a_message_costs_next_to_nothing(pair, garbage):
+    # The outer msgpack of a sealed message or an announcement was decoded whole before any
+    # check: 0.9 MB of empty lists on a worker's topic held its reader ~0.3 s each.
+    alice, bob = pair
+    message = msgpack.packb(garbage)
+    start = time.perf_counter()
+    for _ in range(10):
+        with pytest.raises(secure.Rejected):
+            bob.open(alice.peer, "topic", message)
+        with pytest.raises(secure.Rejected):
+            secure.open_announcement(alice.peer, message)
+    assert time.perf_counter() - start < 0.05  # (20 refusals; one whole decode took 0.1-0.3 s)

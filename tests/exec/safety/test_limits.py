@@ -1273,7 +1273,8 @@ def test_embedding_renorm_is_charged_a_norm_op_per_index():
 def test_a_program_is_charged_the_memory_its_decoded_steps_hold():
     # An empty list is 1 byte on the wire and 64 in memory: a program of 200,000 of them,
     # 200 kB as sent, held 13 MB, charged its 200 kB (64 such programs are kept a session).
-    bloated = hostile.call("aten::sum.dim_IntList", [Slot(0), [[]] * 200_000], [1])
+    # (Headers now hold at most one list per 4 bytes: lists of 3 small ints, 80 bytes each.)
+    bloated = hostile.call("aten::sum.dim_IntList", [Slot(0), [[0, 0, 0]] * 60_000], [1])
     with gg.local_grid(1, limits=Limits(max_client_memory=4 << 20)) as grid:
         peer = Peer(grid)
         assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]

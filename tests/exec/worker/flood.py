@@ -1,5 +1,5 @@
 """Hostile peers that fill what a worker's network process holds for them, for the tests of
-its memory budget and for bench/bench_flood.py.
+its memory budget and for bench/bench_worker_memory.py.
 
 `flood(arena, peers)` makes `peers` hand-made clients, each with an endpoint of its own, and
 has each open `sessions` sessions on the arena's target whose first request is a `recv` that

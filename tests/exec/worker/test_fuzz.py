@@ -4,7 +4,8 @@ Hypothesis drives the generator (one random stream per batch of messages), which
 kinds of message: valid requests (a run naming the identity of each worker it sends to or
 receives from) with fields mutated (any field replaced by an arbitrary value, dropped, or
 joined by junk), valid messages with their bytes mutated (flipped, cut,
-extended), and random bytes. They are sent to a live worker: at least
+extended), random bytes, and headers shaped to cost decoding time (wide, deep, many empty
+containers, also inside extensions). They are sent to a live worker: at least
 10,000 on the local bus, 1,000 over Kubo. Every so often the victim checks its tensor and
 computes (exact, against plain torch) and a fresh peer pings the worker: a crash or a hang
 fails the test. The counts are printed (`pytest -s`).
@@ -17,6 +18,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
@@ -199,6 +201,36 @@ def bytes_mutated(rng: random.Random) -> bytes | None:
     return bytes(payload)
 
 
+COSTLY = ["wide", "deep", "empty lists", "empty maps", "nested empty lists",
+          "lists in a tensor", "lists in a slot"]  # fmt: skip
+
+
+def a_costly_header(rng: random.Random) -> bytes:
+    """A request whose header costs time to decode, one of COSTLY: a field that is wide (many
+    small ints), deep (nested up to past msgpack's stack of 1024), or many empty containers,
+    also inside an extension (decoded on its own). The worker must refuse it, or serve it,
+    at a cost its size bounds."""
+    shape, n = rng.choice(COSTLY), rng.randint(1, 64 << 10)
+    if shape == "deep":
+        value = b"\x91" * rng.randint(1, 1100) + b"\x90"
+    else:
+        value = msgpack.packb({
+            "wide": lambda: [rng.randint(0, 200)] * n,
+            "empty lists": lambda: [[]] * n,
+            "empty maps": lambda: [{}] * n,
+            "nested empty lists": lambda: [[[[]] * 4] * 4] * (n // 16 + 1),
+            "lists in a tensor": lambda: msgpack.ExtType(3, msgpack.packb([[]] * n)),
+            "lists in a slot": lambda: msgpack.ExtType(1, msgpack.packb([[]] * n)),
+        }[shape]())  # fmt: skip
+    fields = {"kind": rng.choice(KINDS), "id": a_text(rng), "session": rng.choice(SESSIONS)}
+    field = rng.choice(["program", "values", "free", "params", "pad"])
+    header = bytes([0x80 | (len(fields) + 1)])  # a fixmap
+    for key, v in fields.items():
+        header += msgpack.packb(key) + msgpack.packb(v)
+    header += msgpack.packb(field) + value
+    return bytes(len(header).to_bytes(4, "little") + header + bytes(-(4 + len(header)) % 64))
+
+
 def a_message(rng: random.Random) -> tuple[str, bytes | dict | None]:
     """(what it is, the message): a dict to encode, or raw bytes."""
     pick = rng.random()
@@ -206,7 +238,9 @@ def a_message(rng: random.Random) -> tuple[str, bytes | dict | None]:
         return "mutated", mutated(rng)
     if pick < 0.9:
         return "bytes-mutated", bytes_mutated(rng)
-    return "random", rng.randbytes(rng.randint(0, 300))
+    if pick < 0.97:
+        return "random", rng.randbytes(rng.randint(0, 300))
+    return "costly", a_costly_header(rng)
 
 
 class Fuzzer:

@@ -370,7 +370,7 @@ def test_a_request_that_comes_while_its_session_runs_another_waits_as_received()
         while "mallory/s" not in session or session["mallory/s"].queue:  # until it runs
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        ping = peer.send("w0", {"kind": "ping", "pad": [[]] * 1000})
+        ping = peer.send("w0", {"kind": "ping", "pad": [[0, 0, 0]] * 1000})
         with session["mallory/s"].cv:
             ((kept, _, payload),) = session["mallory/s"].queue
             assert kept is None and session["mallory/s"].queued_bytes == len(payload)
