@@ -54,6 +54,31 @@ def _contiguous(a: Any, every: bool) -> Any:
     return a
 
 
+# What an argument typed as one of these enums must be (an int is taken as its number: -2
+# as a dtype segfaulted full_like's meta run, before any check of ours).
+_ENUMS = {"ScalarType": torch.dtype, "Layout": torch.layout, "MemoryFormat": torch.memory_format}
+
+
+def check_enum_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
+    """Refuse a dtype, layout or memory format given as a number: the worker calls this
+    before an op's first (meta) run."""
+    arg = argument_reader(op, args, kwargs)
+    for name, kind in _enum_arguments(op):
+        value = arg(name)
+        if value is not None and not isinstance(value, kind):
+            raise KernelArgumentRefused(f"{name} must be a {kind.__name__}, not {value!r}")
+
+
+@functools.cache
+def _enum_arguments(op: torch._ops.OpOverload) -> list[tuple[str, type]]:
+    found = []
+    for a in op._schema.arguments:
+        kind = _ENUMS.get(str(a.real_type).removeprefix("Optional[").rstrip("]"))
+        if kind is not None:
+            found.append((a.name, kind))
+    return found
+
+
 # --- what the checks are made of --------------------------------------------------------------
 
 

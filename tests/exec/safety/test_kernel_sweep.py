@@ -99,3 +99,29 @@ def test_a_tiny_scale_crashes_a_plain_uint8_nearest_upsampling(sweep):
     case = sweep.Case(sample.name, "scales_h, scales_w", "1e-20", [image, [7, 7], 1e-20, 1e-20], {})
     assert sweep.in_child(sweep._as_torch, case, sweep.PATTERNS[0]) == {"signal": 11}
     assert sweep.run_case(case).worker["refused"] == "kernel_checks"
+
+
+def test_a_dtype_given_as_a_number_is_refused_before_its_meta_run(sweep):
+    # Found by the sweep: full_like with dtype=-2 segfaulted in its meta run, the first
+    # thing a worker does with a call; -1 hung there.
+    x, rest = torch.ones(1, dtype=torch.float64), {"layout": torch.strided, "device": "cpu"}
+    case = sweep.Case("aten::full_like", "dtype", "-2", [x, 0.5], {"dtype": -2, **rest})
+    outcome = sweep.run_case(case)
+    assert outcome.verdict == "refused"
+    assert "dtype must be a dtype, not -2" in outcome.worker["error"]
+    assert outcome.torch == {"signal": 11}
+    honest = sweep.Case("aten::full_like", "dtype", "float32", [x, 0.5],
+                        {"dtype": torch.float32, **rest})  # fmt: skip
+    assert sweep.run_case(honest).verdict == "ran, equal"
+
+
+def test_a_factorys_device_does_not_make_its_result_in_the_footprint():
+    # Found by the sweep: new_zeros(x, [2**31], device="cpu") made and zeroed its 8 GiB for
+    # real in the meta run that checks it against the memory limit (20 s, uncharged).
+    from gridgraph.exec.safety.limits import meta_like, op_footprint
+
+    x = meta_like(torch.ones(1, 1))
+    result, made, _, _ = op_footprint(
+        torch.ops.aten.new_zeros.default, [x, [1 << 20]], {"device": torch.device("cpu")}
+    )
+    assert result.is_meta and sum(made.values()) == 4 << 20
