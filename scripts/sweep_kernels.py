@@ -565,7 +565,7 @@ def sweep(
     `kept` when given, and taken from there when there already (a sweep resumes)."""
     outcomes = []
     for name in sorted(samples):
-        path = os.path.join(kept, name.replace("::", "-") + ".pickle") if kept else None
+        path = _kept_path(kept, name) if kept else None
         if path and os.path.exists(path):
             with open(path, "rb") as f:
                 outcomes.extend(pickle.load(f))
@@ -582,11 +582,15 @@ def sweep(
     return outcomes
 
 
+def _kept_path(folder: str, name: str) -> str:
+    return os.path.join(folder, name.replace("::", "-") + ".pickle")
+
+
 def summary(outcomes: list[Outcome], in_scope_ops: list[str], swept_ops: list[str]) -> str:
     counts = Counter(o.verdict for o in outcomes)
     return (
         f"ops in scope: {len(in_scope_ops)}, swept: {len(swept_ops)} "
-        f"({len(set(in_scope_ops) - set(swept_ops))} without a sample); cases: {len(outcomes)}; "
+        f"({len(set(in_scope_ops) - set(swept_ops))} not swept); cases: {len(outcomes)}; "
         + ", ".join(f"{v}: {counts.get(v, 0)}" for v in VERDICTS)
     )
 
@@ -617,7 +621,9 @@ def table(outcomes: list[Outcome], in_scope_ops: list[str], swept_ops: list[str]
         lines += [f"- {o.case.name} {o.case.argument} = {o.case.value}: {o.detail}"
                   for o in picked]  # fmt: skip
     missing = sorted(set(in_scope_ops) - set(swept_ops))
-    lines += ["", f"## in scope, no sample reached ({len(missing)})", "", ", ".join(missing)]
+    lines += ["", f"## in scope, not swept ({len(missing)})", "",
+              "No sample reached them, or this run stopped before them (`--report-only`).", "",
+              ", ".join(missing)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -629,6 +635,8 @@ def main() -> None:
     parser.add_argument("--table", default="docs/kernel_sweep.md", help="where, or - to print")
     parser.add_argument("--samples", help="a file to keep the samples in, and reuse them from")
     parser.add_argument("--kept", help="a folder to keep each op's outcomes in, and resume from")
+    parser.add_argument("--report-only", action="store_true",
+                        help="sweep nothing: the table of the outcomes in --kept")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # (before any op: the children fork from this process)
     ops = sorted(n for n in ALLOWED if (not args.ops or re.search(args.ops, n)))
@@ -646,6 +654,8 @@ def main() -> None:
         _values("tensor", t, 1) for s in samples.get(n, ()) for t in _tensors(s.args, s.kwargs)
     )]  # fmt: skip
     swept = [n for n in scope if n in samples]
+    if args.report_only:  # (the ops whose outcomes are kept)
+        swept = [n for n in swept if os.path.exists(_kept_path(args.kept, n))]
     if args.kept:
         os.makedirs(args.kept, exist_ok=True)
     outcomes = sweep({n: samples[n] for n in swept}, progress=True, kept=args.kept)
