@@ -97,8 +97,11 @@ def test_a_tiny_scale_crashes_a_plain_uint8_nearest_upsampling(sweep):
     (sample,) = _samples(sweep)["aten::upsample_nearest2d"]
     image = sample.args[0]
     case = sweep.Case(sample.name, "scales_h, scales_w", "1e-20", [image, [7, 7], 1e-20, 1e-20], {})
-    assert sweep.in_child(sweep._as_torch, case, sweep.PATTERNS[0]) == {"signal": 11}
     assert sweep.run_case(case).worker["refused"] == "kernel_checks"
+    plain = sweep.in_child(sweep._as_torch, case, sweep.PATTERNS[0])
+    if "signal" not in plain:  # (the vectorised uint8 path differs between CPUs)
+        pytest.skip(f"this CPU's uint8 path survives it: {plain}")
+    assert plain == {"signal": 11}
 
 
 def test_a_dtype_given_as_a_number_is_refused_before_its_meta_run(sweep):
@@ -109,7 +112,8 @@ def test_a_dtype_given_as_a_number_is_refused_before_its_meta_run(sweep):
     outcome = sweep.run_case(case)
     assert outcome.verdict == "refused"
     assert "dtype must be a dtype, not -2" in outcome.worker["error"]
-    assert outcome.torch == {"signal": 11}
+    # Plain torch reads a type table at index -2: a segfault, or an error made of what it read.
+    assert outcome.torch.get("signal") == 11 or "Unsupported TypeMeta" in outcome.torch["error"]
     honest = sweep.Case("aten::full_like", "dtype", "float32", [x, 0.5],
                         {"dtype": torch.float32, **rest})  # fmt: skip
     assert sweep.run_case(honest).verdict == "ran, equal"
