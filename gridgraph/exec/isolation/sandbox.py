@@ -7,7 +7,8 @@ the worker's keys and the Kubo node. State: none; `enter()` changes the calling 
 good, once, before its first request. Policy (the kernel's; seccomp refuses what `_REFUSED`
 and `_SELF_ONLY` list, each group saying why):
 - processes: no fork, vfork or exec, no clone but a thread's; signals (also Landlock's signal
-  scope, where the kernel has it), scheduling and resource limits for itself only; no nice or
+  scope, where the kernel has it), scheduling and resource limits for itself only, and no
+  file's owner set (the kernel would signal it: fcntl F_SETOWN, ioctl FIOSETOWN); no nice or
   I/O priority change; its death signal (SIGKILL when the forkserver goes) stays;
 - memory: no ptrace, process_vm_readv/writev, pidfd_getfd or kcmp, and not dumpable
   (`protect_worker` does that for the network process); no memfd, no System V or POSIX IPC,
@@ -62,7 +63,7 @@ _NR = {
         open_by_handle_at=304, name_to_handle_at=303, setpriority=141,
         sched_setaffinity=203, sched_setscheduler=144, sched_setparam=142,
         sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279,
-        seccomp=317, capset=126, prlimit64=302, ioctl=16, chmod=90, fchmod=91,
+        seccomp=317, capset=126, prlimit64=302, ioctl=16, fcntl=72, chmod=90, fchmod=91,
         fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, utime=132,
         utimes=235, futimesat=261, utimensat=280, setxattr=188, lsetxattr=189,
         fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199, setxattrat=463,
@@ -83,6 +84,7 @@ _NR = {
         name_to_handle_at=264, setpriority=140, sched_setaffinity=122,
         sched_setscheduler=119, sched_setparam=118, sched_setattr=274, ioprio_set=30,
         migrate_pages=238, move_pages=239, seccomp=277, capset=91, prlimit64=261, ioctl=29,
+        fcntl=25,
         fchmod=52, fchmodat=53, fchmodat2=452, fchown=55, fchownat=54, utimensat=88,
         setxattr=5, lsetxattr=6, fsetxattr=7, removexattr=14, lremovexattr=15,
         fremovexattr=16, setxattrat=463, removexattrat=466, shmget=194, shmat=196,
@@ -123,6 +125,11 @@ _SELF_ONLY = {"kill": (0, ("pid",)), "tgkill": (0, ("pid",)), "prlimit64": (0, (
               "sched_setaffinity": (0, (0,)), "sched_setscheduler": (0, (0,)),
               "sched_setparam": (0, (0,)), "sched_setattr": (0, (0,))}  # fmt: skip
 _TTY_INJECTION = (0x5412, 0x541C)  # ioctl TIOCSTI, TIOCLINUX: type into a terminal
+# A file's owner is the process the kernel signals when it is ready (O_ASYNC): any process,
+# with any signal (F_SETSIG), which kill's filter never sees. fcntl F_SETOWN, F_SETOWN_EX and
+# F_SETSIG, and ioctl FIOSETOWN and SIOCSPGRP (on a socket, as the executor's channel is).
+_FILE_OWNER_FCNTL = (8, 15, 10)
+_FILE_OWNER_IOCTL = (0x8901, 0x8902)
 
 
 # Landlock (linux/landlock.h): filesystem rights by bit, how many the kernel's ABI handles
@@ -154,7 +161,11 @@ def missing() -> list[str]:
     if landlock_abi() < 1:
         gaps.append("Landlock (Linux 5.13 or later): executors can read the worker's files")
     elif landlock_abi() < 6:
-        gaps.append("Landlock signal scope (Linux 6.12 or later): seccomp alone refuses signals")
+        gaps.append(
+            "Landlock signal scope (Linux 6.12 or later): signals to other processes are "
+            "refused by seccomp alone (kill, tgkill, pidfd and rt_sigqueueinfo calls, and a "
+            "file's owner set by fcntl F_SETOWN or ioctl FIOSETOWN)"
+        )
     if cgroups.parent("pids") is None:
         gaps.append("a pids cgroup: an executor's threads are not bounded")
     if cgroups.parent("memory") is None:
@@ -281,7 +292,9 @@ def _install_filter(machine: str, pid: int) -> None:
     program += _when(nr["clone3"], [_ret(_errno(errno.ENOSYS))])  # threads fall back to clone
     # (its death signal cannot be undone)
     program += _when(nr["prctl"], _if_arg(0, _JEQ, [PR_SET_PDEATHSIG], _ret(eperm), _ret(_ALLOW)))
-    program += _when(nr["ioctl"], _if_arg(1, _JEQ, _TTY_INJECTION, _ret(eperm), _ret(_ALLOW)))
+    refused_ioctls = (*_TTY_INJECTION, *_FILE_OWNER_IOCTL)
+    program += _when(nr["ioctl"], _if_arg(1, _JEQ, refused_ioctls, _ret(eperm), _ret(_ALLOW)))
+    program += _when(nr["fcntl"], _if_arg(1, _JEQ, _FILE_OWNER_FCNTL, _ret(eperm), _ret(_ALLOW)))
     program.append(_ret(_ALLOW))
     filters = (_SockFilter * len(program))(*program)
     fprog = _SockFprog(len(program), filters)

@@ -54,6 +54,31 @@ def _contiguous(a: Any, every: bool) -> Any:
     return a
 
 
+# What an argument typed as one of these enums must be (an int is taken as its number: -2
+# as a dtype segfaulted full_like's meta run, before any check of ours).
+_ENUMS = {"ScalarType": torch.dtype, "Layout": torch.layout, "MemoryFormat": torch.memory_format}
+
+
+def check_enum_arguments(op: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
+    """Refuse a dtype, layout or memory format given as a number: the worker calls this
+    before an op's first (meta) run."""
+    arg = argument_reader(op, args, kwargs)
+    for name, kind in _enum_arguments(op):
+        value = arg(name)
+        if value is not None and not isinstance(value, kind):
+            raise KernelArgumentRefused(f"{name} must be a {kind.__name__}, not {value!r}")
+
+
+@functools.cache
+def _enum_arguments(op: torch._ops.OpOverload) -> list[tuple[str, type]]:
+    found = []
+    for a in op._schema.arguments:
+        kind = _ENUMS.get(str(a.real_type).removeprefix("Optional[").rstrip("]"))
+        if kind is not None:
+            found.append((a.name, kind))
+    return found
+
+
 # --- what the checks are made of --------------------------------------------------------------
 
 
@@ -396,6 +421,47 @@ def _antialias_scales(arg: Arg) -> None:
             )
 
 
+# Source coordinates an upsampling's scale may give at most (int64 holds them).
+SOURCE_MOST = float(1 << 62)
+# The upsamplings (and their backwards) that take input coordinates from scales.
+_UPSAMPLINGS = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                "_upsample_nearest_exact1d", "_upsample_nearest_exact2d",
+                "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+                "upsample_bicubic2d", "upsample_trilinear3d")  # fmt: skip
+
+
+def _upsample_scales(arg: Arg) -> None:
+    """Scales that keep source coordinates within int64: an upsampling (and its backward)
+    takes output index i from input coordinate i / scale, cast to int64 and clamped from
+    above only. A scale of 1e-20 made it INT64_MIN, read at that index (a uint8 nearest
+    upsampling segfaulted). Honest scales (F.interpolate's) are about output / input size;
+    align_corners ignores them; a scale of 0, below or NaN stands for output / input size."""
+    sizes = [abs(int(n)) for n in arg("output_size")]
+    if arg("align_corners") or not sizes:
+        return
+    names = ("scales",) if len(sizes) == 1 else ("scales_d", "scales_h", "scales_w")[-len(sizes) :]
+    for name, out in zip(names, sizes):
+        scale = arg(name)
+        if scale is not None and scale > 0 and max(1, out) / scale >= SOURCE_MOST:
+            raise KernelArgumentRefused(
+                f"{name} of {scale:g} maps output pixels to input coordinates up to "
+                f"{max(1, out) / scale:.3g}, past {SOURCE_MOST:g}: an honest scale is about "
+                "output / input size"
+            )
+
+
+def _nll_loss_targets(arg: Arg) -> None:
+    """Targets that each name a class or are ignore_index, and a weight per class, as the
+    forward requires: the backward (reduction='none') indexed the gradient and the weights
+    with them unchecked (another client's values read; the heap written, a segfault)."""
+    input, target = arg("self"), arg("target")
+    classes = input.shape[1] if input.dim() >= 2 else input.shape[0] if input.dim() else 0
+    if isinstance(target, torch.Tensor) and not (target.is_floating_point() or target.is_complex()):
+        target = target[target != arg("ignore_index")]
+    _in_range(target, "target", classes)
+    _sized(arg("weight"), "weight", classes)
+
+
 # --- the rest --------------------------------------------------------------------------------
 
 
@@ -698,4 +764,9 @@ CHECKS: dict[str, Callable[[Arg], None]] = {
     "aten::native_group_norm_backward": _group_norm,
     "aten::_log_softmax_backward_data": _softmax_backward,
     "aten::_softmax_backward_data": _softmax_backward,
+    "aten::nll_loss_backward": _nll_loss_targets,
+    "aten::nll_loss2d_backward": _nll_loss_targets,
+    **{
+        f"aten::{name}{way}": _upsample_scales for name in _UPSAMPLINGS for way in ("", "_backward")
+    },
 }

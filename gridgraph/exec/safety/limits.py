@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gridgraph.exec.safety.arguments import argument_reader, stored_magnitude, tensors_in
+from gridgraph.exec.safety.kernel_checks import check_enum_arguments
 from gridgraph.trace.allowlist import CATEGORIES
 from gridgraph.trace.meta import meta_tensor, run_on_meta
 from gridgraph.trace.work import convolution_macs, inner_dim
@@ -265,8 +266,12 @@ def op_footprint(
     their tensors, or allocated 17 GB of output charged as nothing (a convolution's
     output_padding of 2**32, which its meta kernel refused as too large).
     """
+    check_enum_arguments(op, args, kwargs)
     if op._schema.name in _WORK_FROM_DATA:
         return None
+    # A factory's device would make its result for real (new_zeros of 8 GiB "on meta" took
+    # 20 s and the memory): on meta, as its inputs are.
+    kwargs = {k: "meta" if k == "device" and v is not None else v for k, v in kwargs.items()}
     inputs = tensors_in(args, kwargs)
     storages = {t.untyped_storage()._cdata: t.untyped_storage() for t in inputs}
     sizes = {key: storage.nbytes() for key, storage in storages.items()}

@@ -10,12 +10,14 @@ to die with its worker.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import importlib
 import os
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -319,3 +321,96 @@ def test_a_protected_worker_is_not_dumpable():
     )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "0"]
+
+
+F_SETOWN, F_SETSIG, F_SETOWN_EX, F_OWNER_PID = 8, 10, 15, 1
+FIOSETOWN, SIOCSPGRP = 0x8901, 0x8902
+
+
+def _signal_through_a_file(victim: int, sock: socket.socket) -> dict:
+    """Have the kernel send `victim` SIGKILL on our behalf: a pipe's read end owned by it
+    (F_SETOWN), its signal set to SIGKILL (F_SETSIG), O_ASYNC on, then a byte written; and
+    the other ways to name a file's owner: F_SETOWN_EX, and on a socket (`sock`, as the
+    executor's channel to its worker is) FIOSETOWN and SIOCSPGRP. The errno of each step
+    that failed, 0 for each that did not."""
+    read, write = os.pipe()
+    owner = struct.pack("i", victim)
+    steps = {
+        "F_SETOWN_EX": lambda: fcntl.fcntl(
+            read, F_SETOWN_EX, struct.pack("ii", F_OWNER_PID, victim)
+        ),  # fmt: skip
+        "FIOSETOWN": lambda: fcntl.ioctl(sock.fileno(), FIOSETOWN, owner),
+        "SIOCSPGRP": lambda: fcntl.ioctl(sock.fileno(), SIOCSPGRP, owner),
+        "F_SETOWN": lambda: fcntl.fcntl(read, F_SETOWN, victim),
+        "F_SETSIG": lambda: fcntl.fcntl(read, F_SETSIG, signal.SIGKILL),
+        "O_ASYNC": lambda: fcntl.fcntl(
+            read, fcntl.F_SETFL, fcntl.fcntl(read, fcntl.F_GETFL) | os.O_ASYNC
+        ),  # fmt: skip
+        "write": lambda: os.write(write, b"x"),
+    }
+    outcome = {}
+    for name, step in steps.items():
+        try:
+            step()
+            outcome[name] = 0
+        except OSError as e:
+            outcome[name] = e.errno
+    os.close(read)
+    os.close(write)
+    return outcome
+
+
+def _signal_from_inside(conn, victim: int) -> None:
+    """The taken-over executor, in the sandbox as a kernel without Landlock's signal scope
+    (ABI 6; Ubuntu 22.04's, Debian 12's, RHEL 9's) would have it: only seccomp stands."""
+    executor._let_go_of_the_worker()
+    sock, _ = socket.socketpair()
+    abi = sandbox.landlock_abi()
+    sandbox.landlock_abi = lambda: min(abi, 5)
+    sandbox.enter()
+    conn.send(_signal_through_a_file(victim, sock))
+
+
+def _killed_by_its_signal(victim: subprocess.Popen, within: float) -> bool:
+    try:
+        victim.wait(within)
+    except subprocess.TimeoutExpired:
+        return False
+    return victim.returncode == -signal.SIGKILL
+
+
+def test_a_taken_over_executor_cannot_signal_through_a_files_owner():
+    # On Landlock ABI below 6 a taken-over executor SIGKILLed another process this way: the
+    # kernel sends a file's I/O signal to its owner, and seccomp refused only kill and friends.
+    outside, (sock, other) = subprocess.Popen(["sleep", "60"]), socket.socketpair()
+    try:  # each step works from outside
+        assert set(_signal_through_a_file(outside.pid, sock).values()) == {0}
+        assert _killed_by_its_signal(outside, 10)
+    finally:
+        outside.kill()
+        outside.wait()
+        sock.close()
+        other.close()
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        ctx = executor._context()
+        ours, theirs = ctx.Pipe()
+        inside = ctx.Process(target=_signal_from_inside, args=(theirs, victim.pid), daemon=True)
+        inside.start()
+        assert ours.poll(60), f"the sandboxed process sent nothing (exit code {inside.exitcode})"
+        outcome = ours.recv()
+        inside.join(10)
+        assert not _killed_by_its_signal(victim, 1), outcome  # (sent as the byte was written)
+        assert victim.poll() is None
+        for step in ("F_SETOWN", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP", "F_SETSIG"):
+            assert outcome[step] == errno.EPERM, outcome
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_missing_names_what_refuses_signals_without_landlocks_scope(monkeypatch):
+    monkeypatch.setattr(sandbox, "landlock_abi", lambda: 5)
+    (gap,) = [g for g in sandbox.missing() if "signal scope" in g]
+    assert "F_SETOWN" in gap and "seccomp alone refuses signals" not in gap
