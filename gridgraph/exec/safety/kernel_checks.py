@@ -137,24 +137,27 @@ def _bags(arg: Arg, indices_high: int, bags: int | None) -> None:
     if isinstance(offsets, torch.Tensor) and offsets.numel():
         if int(offsets.reshape(-1)[0]) != 0 or bool((offsets.diff() < 0).any()):
             raise KernelArgumentRefused("offsets must start at 0 and never decrease")
-    if arg("include_last_offset") and _numel(offsets) < 2:
-        raise KernelArgumentRefused("include_last_offset needs at least two offsets")
+    if arg("include_last_offset") and _numel(offsets) < (2 if arg("mode") == 2 else 1):
+        # (with one offset: no bags; sum and mean make none, max wrote before its output)
+        raise KernelArgumentRefused(
+            "include_last_offset needs two offsets in max mode, one otherwise"
+        )
     weights = arg("per_sample_weights")
     if weights is not None and _numel(weights) != _numel(indices):
         raise KernelArgumentRefused("per_sample_weights must hold one weight per index")
     if bags is None:
         return
     offset2bag = arg("offset2bag")
-    if _numel(offset2bag) not in (0, _numel(indices)):
-        raise KernelArgumentRefused("offset2bag must name one bag per index")
+    if 0 < _numel(offset2bag) < _numel(indices):  # (entries past the indices are not read)
+        raise KernelArgumentRefused("offset2bag must name a bag for each index")
     _in_range(offset2bag, "offset2bag", bags)
     if _numel(offset2bag) == 0 and isinstance(offsets, torch.Tensor):
         # The backward kernels then rebuild offset2bag from offsets: one bag per offset
         # that starts within the indices, each a row of the gradient they read.
         if int((offsets < _numel(indices)).sum()) > bags:
             raise KernelArgumentRefused("offsets start more bags than grad has rows")
-    if arg("bag_size") is not None and _numel(arg("bag_size")) != bags:
-        raise KernelArgumentRefused("bag_size must hold one size per bag")
+    if arg("bag_size") is not None and _numel(arg("bag_size")) < bags:
+        raise KernelArgumentRefused("bag_size must hold a size for each bag")
 
 
 def _embedding(arg: Arg) -> None:
@@ -258,18 +261,16 @@ def _convolution_backward(arg: Arg) -> None:
 def _fft_dims(arg: Arg) -> None:
     """The dims of a raw FFT kernel as `torch.fft` passes them: non-empty, distinct, each in
     [0, ndim) (the kernels index sizes and strides with them unchecked: a dim of 65,536 or
-    -2**20 segfaulted the worker); a normalisation mode of 0, 1 or 2; and for `_fft_c2r` a
-    last dimension of last_dim_size // 2 + 1 (it writes last_dim_size at dim[-1] into an
-    array on the stack: a dim of -2 wrote before it, a segfault; -1 put stack words in the
-    error)."""
+    -2**20 segfaulted the worker); and for `_fft_c2r` a last dimension of last_dim_size // 2 + 1
+    (it writes last_dim_size at dim[-1] into an array on the stack: a dim of -2 wrote before
+    it, a segfault; -1 put stack words in the error). The normalization is any number, as in
+    torch: it picks a scale (1, 1/sqrt(n) or 1/n), indexing nothing."""
     input, dims = arg("self"), arg("dim")
     ndim = input.dim()
     if not dims or len(set(dims)) != len(dims) or any(not 0 <= int(d) < ndim for d in dims):
         raise KernelArgumentRefused(
             f"FFT dims {list(dims)} must be distinct and each in 0..{ndim - 1}"
         )
-    if arg("normalization") not in (0, 1, 2):
-        raise KernelArgumentRefused("an FFT's normalization must be 0, 1 or 2")
     last = arg("last_dim_size")
     if last is not None and (int(last) < 1 or input.shape[dims[-1]] != int(last) // 2 + 1):
         raise KernelArgumentRefused(
