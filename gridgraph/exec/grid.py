@@ -30,7 +30,7 @@ from gridgraph.exec.safety.limits import Limits
 from gridgraph.exec.transport import LocalBus
 from gridgraph.exec.wire import DTYPES
 from gridgraph.exec.worker.worker import Worker
-from gridgraph.trace import names, scope
+from gridgraph.trace import names, nested, scope
 from gridgraph.trace.meta import TensorMeta, as_sent
 from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import on as _on
@@ -164,6 +164,7 @@ class Grid:
             module, worker, prefix, lambda t: not isinstance(t, UninitializedTensorMixin)
         )
         scope.label_module(module, prefix)
+        nested.follow_nested_fast_path(module)
         return module
 
     def _send_tensors(
