@@ -208,6 +208,22 @@ def test_sum_and_mean_bags_with_one_offset_and_the_last_included_run_as_in_torch
         torch.testing.assert_close(g, w)
 
 
+def test_the_backward_of_bags_with_one_offset_and_the_last_included_reads_past_grad():
+    """Such a call makes no bags, and its gradient no rows; torch's backward still sums row 0
+    of it into each index's row (from offsets: bag 0 for every index): past a 0-row view of
+    [1..40], it reads 1, 2, 3, 4. The worker refuses it (the forward runs, test above)."""
+    indices, offsets = torch.tensor([1, 2, 3]), torch.tensor([0])
+    _, offset2bag, bag_size, max_indices = aten._embedding_bag(
+        torch.randn(10, 4), indices, offsets, False, 0, False, None, True
+    )
+    args = [torch.arange(1.0, 41.0).reshape(10, 4)[:0], indices, offsets, offset2bag, bag_size,
+            max_indices, 10, False, 0, False, None, -1]  # fmt: skip
+    with pytest.raises(KernelArgumentRefused, match="more bags than grad has rows"):
+        checked_arguments(aten._embedding_bag_backward.default, args, {})
+    grad_weight = aten._embedding_bag_backward(*args)
+    assert grad_weight[1].tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def _refusing_line(op, args, kwargs) -> int:
     try:
         checked_arguments(op, args, kwargs)
