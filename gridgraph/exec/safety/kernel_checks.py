@@ -608,15 +608,21 @@ def _cdist_backward(arg: Arg) -> None:
 
 
 def _unfold_backward(arg: Arg) -> None:
-    """A gradient shaped as `unfold(dim, size, step)` of a tensor of `input_sizes`."""
+    """A gradient shaped as `unfold(dim, size, step)` of a tensor of `input_sizes`. The
+    kernel reads the gradient's windows (fewer than its dimension at `dim` has) and `size`
+    values of each, so with a window longer than the dimension (which torch runs) any number
+    of windows but none is read within it."""
     sizes, dim, size, step = list(arg("input_sizes")), arg("dim"), arg("size"), arg("step")
     if not sizes:
         sizes, dim = [1], 0
-    if not -len(sizes) <= dim < len(sizes) or step < 1 or not 0 <= size <= sizes[dim]:
+    if not -len(sizes) <= dim < len(sizes) or step < 1 or size < 0:
         raise KernelArgumentRefused("dim, size or step do not unfold input_sizes")
-    unfolded = list(sizes)
+    dim %= len(sizes)
+    unfolded, grad = list(sizes), arg("grad_in")
     unfolded[dim] = (sizes[dim] - size) // step + 1
-    _shaped(arg("grad_in"), "grad_in", [*unfolded, size])
+    if unfolded[dim] < 1 and isinstance(grad, torch.Tensor) and grad.dim() == len(sizes) + 1:
+        unfolded[dim] = max(1, grad.shape[dim])
+    _shaped(grad, "grad_in", [*unfolded, size])
 
 
 def _multi_margin_backward(arg: Arg) -> None:

@@ -90,6 +90,10 @@ TORCH_REJECTS = {
         aten._embedding_bag_backward.default,
         [torch.ones(1, 4), torch.zeros(8, dtype=LONG), torch.tensor([0]), torch.tensor([0]),
          torch.tensor([8]), torch.empty(0, dtype=LONG), 10, False, 1, False, None, -1], {}),
+    "unfold_backward: a step of 0": (
+        aten.unfold_backward.default, [torch.ones(1, 3), [3], 0, 3, 0], {}),
+    "unfold_backward: a window past the dimension, no windows in the gradient": (
+        aten.unfold_backward.default, [torch.ones(0, 4), [3], 0, 4, 1], {}),
     "mkldnn_rnn_layer: a mode that names no RNN": (
         aten.mkldnn_rnn_layer.default,
         [torch.randn(5, 2, 3), *_rnn, False, [], 9, 4, 1, True, False, False, False], {}),
@@ -110,12 +114,7 @@ READS_PAST = {
 
 # Refusals neither test shows yet (as their message begins) -> what the check guards. torch
 # runs these arguments, or is never called with them; no out-of-bounds access is shown yet.
-NOT_YET_SHOWN = {
-    "dim, size or step do not unfold input_sizes":
-        "torch's kernel runs a window past the dimension (size > input_sizes[dim]) with a "
-        "gradient of one window, reading within it in the cases tried; a gradient of none is "
-        "rejected by torch",
-}  # fmt: skip
+NOT_YET_SHOWN: dict[str, str] = {}
 
 
 # Refusals whose reason a test elsewhere shows (as their message begins) -> that test
@@ -206,6 +205,16 @@ def test_sum_and_mean_bags_with_one_offset_and_the_last_included_run_as_in_torch
         got = [t.get() for t in got]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("windows", [1, 2])
+def test_unfold_backward_with_a_window_past_the_dimension_runs_as_in_torch(windows):
+    """torch runs it (reading the gradient's windows, within it); so does a worker."""
+    grad = torch.randn(2, windows, 10)
+    want = aten.unfold_backward(grad, [2, 3], 1, 10, 1)
+    with gg.local_grid(1) as grid:
+        got = aten.unfold_backward(gg.send(grad, grid.workers[0]), [2, 3], 1, 10, 1).get()
+    torch.testing.assert_close(got, want)
 
 
 def test_the_backward_of_bags_with_one_offset_and_the_last_included_reads_past_grad():
