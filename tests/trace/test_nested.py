@@ -64,3 +64,17 @@ def test_training_with_a_padding_mask_is_unchanged():
         torch.testing.assert_close(got.get(), want.detach())
         for (name, p), q in zip(model.named_parameters(), local.parameters(), strict=True):
             torch.testing.assert_close(p.grad.get(), q.grad, msg=name)
+
+
+def test_recorded_inference_with_a_padding_mask_gives_what_torch_gives():
+    model = _encoder().eval()
+    local = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        want = local(x, src_key_padding_mask=LEFT_ALIGNED)
+    with gg.local_grid(1) as grid:
+        w0 = grid.workers[0]
+        gg.send(model, w0)
+        with torch.no_grad(), gg.trace():
+            got = model(gg.send(x, w0), src_key_padding_mask=gg.send(LEFT_ALIGNED, w0))
+        torch.testing.assert_close(got.get(), want)
