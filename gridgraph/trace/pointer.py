@@ -120,8 +120,10 @@ class RemoteTensor(torch.Tensor):
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """`p.to(dtype)` is recorded like any op; a GPU device is refused (`cuda`)."""
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None and device.type != "cpu":
+        device = kwargs.get("device", args[0] if args else None)  # (torch's own parser
+        if isinstance(device, torch.Tensor):  # refuses `copy`, which .to takes)
+            device = device.device
+        if isinstance(device, str | int | torch.device) and torch.device(device).type != "cpu":
             raise GridError(_NOT_ON_GPU.format(call=f".to({device})"))
         return super().to(*args, **kwargs)
 

@@ -1,6 +1,7 @@
 """A flood from a second peer on a local grid's bus: messages whose header costs time to
-decode, 20 a second, on a worker's topic and on the client's reply topic. The client's
-latency stays within 3x, its results exact, and the logs bounded.
+decode, 20 a second, on a worker's topic and on the client's reply topic. Of them the worker
+decodes a few at most, the client none; the client's results stay exact and the logs
+bounded. (The latency target, p95 within 3x, is a ratio: bench/bench_flood.py prints it.)
 
 Before, each 0.9 MB header of empty lists was decoded whole (90-290 ms, holding the lock)
 before any check; now the worker checks its sender's rate of header bytes first (and
@@ -12,13 +13,16 @@ from __future__ import annotations
 import torch
 
 import gridgraph as gg
+from gridgraph.exec import wire
 from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.safety.limits import Limits
 from tests.exec.flood import Flood, LineCounter, costly, latencies, p95
 from tests.exec.local_peer import Peer
 
 
-def test_a_flood_of_costly_headers_from_a_second_peer_slows_the_client_at_most_3x():
+def test_a_flood_of_costly_headers_from_a_second_peer_is_decoded_a_few_times_at_most(
+    monkeypatch,
+):
     # The limits `gridgraph worker` grants, but for a request rate this fast loop stays under
     limits = Limits(requests_per_second=10_000, request_burst=10_000)
     with gg.local_grid(2, limits=limits) as grid:
@@ -39,6 +43,14 @@ def test_a_flood_of_costly_headers_from_a_second_peer_slows_the_client_at_most_3
             lambda: mallory.publish(worker_topic("w0"), request),
             lambda: mallory.publish(replies, reply),
         ])  # fmt: skip
+        decoded = []  # sizes of the messages anyone here decoded during the flood
+        decode = wire.decode
+
+        def counting(payload, *args, **kwargs):
+            decoded.append(len(payload))
+            return decode(payload, *args, **kwargs)
+
+        monkeypatch.setattr(wire, "decode", counting)
         with LineCounter() as lines:
             flood.start()
             try:
@@ -46,7 +58,9 @@ def test_a_flood_of_costly_headers_from_a_second_peer_slows_the_client_at_most_3
             finally:
                 flood.stop()
         assert flood.sent >= 200, flood.sent  # 20 a second on each topic
-        assert p95(during) <= 3 * p95(before) + 0.01, (p95(before), p95(during))
+        costly_decoded = sum(size >= len(request) // 2 for size in decoded)
+        assert costly_decoded <= 4, costly_decoded  # (before: every one, on both topics)
+        print(f"p95 {1e3 * p95(before):.1f} ms before, {1e3 * p95(during):.1f} ms during")
         assert lines.count <= 25, lines.count
 
 

@@ -92,6 +92,10 @@ def test_cuda_on_a_pointer_is_a_grid_error_saying_what_to_do(local_grid, move):
     with pytest.raises(gg.GridError, match=r"computes on CPU; bring it home first \(p.get\(\)"):
         move(p)  # before: torch's "Found no NVIDIA driver on your system"
     assert torch.equal(p.to(torch.float64).get(), torch.ones(3, dtype=torch.float64))
+    # every form torch's .to takes still works (copy= too: the check must not refuse it)
+    for args, kwargs in [((torch.float64,), {"copy": True}), (("cpu",), {"copy": False}),
+                         ((), {"dtype": torch.int64, "non_blocking": True})]:  # fmt: skip
+        torch.testing.assert_close(p.to(*args, **kwargs).get(), torch.ones(3).to(*args, **kwargs))
 
 
 def test_stats_report_a_lost_worker_instead_of_raising(local_grid):

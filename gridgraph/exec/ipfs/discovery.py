@@ -244,18 +244,24 @@ class Directory:
                 if pinned.identity == identity and seen is not None and seen.identity == identity:
                     seen.last_seen = max(seen.last_seen, time.monotonic())
 
+    def _claimants(self, name: str, now: float) -> tuple[str, str] | None:
+        """(under _cv) The two peers claiming `name`, if it is not pinned yet and a live rival
+        of its owner claims it too."""
+        rival = self._rivals.get(name)
+        if name in self._pinned or rival is None or now - rival[1] > self.dead_after:
+            return None
+        owner, other = peer_of(self._seen[name].identity), peer_of(rival[0])
+        return (owner, other) if owner != other else None
+
     def _contested(self, names: list[str], now: float) -> None:
         """(under _cv) Raise GridError if a name not pinned yet has a live rival claimant."""
         for name in names:
-            rival = self._rivals.get(name)
-            if name in self._pinned or rival is None or now - rival[1] > self.dead_after:
-                continue
-            owner, other = peer_of(self._seen[name].identity), peer_of(rival[0])
-            if owner != other:
+            claim = self._claimants(name, now)
+            if claim is not None:
                 raise GridError(
-                    f"worker name {name!r} is claimed by two peers, {owner} and {other}: on an "
-                    f"open grid any peer may announce any name, and this client will not pick "
-                    f"one. Connect with trust={{{name!r}: PEER_ID}} naming the right one "
+                    f"worker name {name!r} is claimed by two peers, {claim[0]} and {claim[1]}: "
+                    f"on an open grid any peer may announce any name, and this client will not "
+                    f"pick one. Connect with trust={{{name!r}: PEER_ID}} naming the right one "
                     f"(`gridgraph id --ipfs ADDR` on its node prints its peer ID)"
                 )
 
@@ -368,7 +374,8 @@ class Directory:
         claimant of a name) has announced itself at least once. With `pin`, pins the names
         returned in the same hold of the lock: a full directory dropping silent names in
         between could otherwise drop one of them first; a name not pinned yet that two live
-        peers claim raises GridError naming both. Raises GridError at `timeout`.
+        peers claim raises GridError naming both if `names` asks for it, and is left out of
+        the `min_workers` chosen otherwise. Raises GridError at `timeout`.
         """
         start = time.monotonic()
         with self._cv:
@@ -388,8 +395,10 @@ class Directory:
                                 f"mean {', '.join(map(repr, typos.values()))}? (live: "
                                 f"{', '.join(live)})"
                             )
-                elif len(live) >= min_workers and settled:
-                    found = live
+                elif settled:  # (names two peers claim are left out, not picked)
+                    uncontested = [n for n in live if self._claimants(n, now) is None]
+                    if len(uncontested) >= min_workers:
+                        found = uncontested if pin else live
                 if found is not None:
                     if pin:
                         self._contested(found, now)
@@ -402,6 +411,12 @@ class Directory:
                         f" Did you mean {m[0]!r} for {n!r}?" for n, m in close.items()
                         if m and n not in live
                     )  # fmt: skip
+                    contested = [n for n in live if self._claimants(n, now) is not None]
+                    if contested and names is None:
+                        hint += (
+                            f" Left out, each claimed by two peers: {', '.join(contested)} "
+                            f"(name the one you mean with trust=)."
+                        )
                     raise GridError(
                         f"waited {timeout:g} s for {wanted} on {where}; found {len(live)} "
                         f"({', '.join(live) or 'none'}).{hint} Start workers with `gridgraph "

@@ -143,8 +143,19 @@ def test_a_name_two_live_peers_claim_is_not_picked_but_named_with_both():
         directory.wait(names=["w0"], timeout=1.0, pin=True)
     assert "12D3KooWimpostor" in str(error.value) and "12D3KooWworker" in str(error.value)
     assert "trust=" in str(error.value)
-    with pytest.raises(GridError, match="claimed by two peers"):  # asked for no names, too
-        directory.wait(min_workers=1, timeout=1.0, pin=True)
+    with pytest.raises(GridError, match="Left out, each claimed by two peers: w0"):
+        directory.wait(min_workers=1, timeout=1.0, pin=True)  # asked for no names: not picked
+
+
+def test_asked_for_no_names_a_client_leaves_out_a_name_two_peers_claim_and_takes_the_rest():
+    # A hijacked name on an open grid must not make every `connect(min_workers=...)` fail:
+    # it is left out (never picked silently), and the other workers are used.
+    directory = Directory()
+    announce(directory, identity("12D3KooWimpostor"), "w0")
+    announce(directory, identity("12D3KooWworker"), "w0")
+    announce(directory, identity("12D3KooWother"), "w1")
+    assert directory.wait(min_workers=1, timeout=1.0, pin=True) == ["w1"]
+    assert secure.peer_of(directory.identity("w1")) == "12D3KooWother"
 
 
 def test_with_trust_the_trusted_claimant_is_picked():

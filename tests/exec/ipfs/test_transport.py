@@ -188,7 +188,7 @@ def test_eight_nodes_naming_missing_blocks_leave_assemblers_and_memory_for_anoth
             for sybil in sybils:
                 receiver._receive(topic, sybil, pack_blocks([(gone[0], 1 << 19)] * 16, 8 << 20))
                 receiver._receive(topic, sybil, pack_blocks([(c, 1 << 19) for c in gone], 1 << 20))
-        assert "over its share of 4.0 MiB" in caplog.text
+        assert "past its share of this worker's memory, 4.0 MiB" in caplog.text
         held = {s: receiver._pending.get(s, 0) for s in sybils}
         assert sum(held.values()) < ASSEMBLERS and max(held.values()) <= PENDING_PER_PEER
         assert receiver.budget.held() == sum(held.values()) << 20 <= cap

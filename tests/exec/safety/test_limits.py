@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 import queue
 import threading
 import tracemalloc
@@ -675,8 +676,10 @@ def test_the_rate_limiter_forgets_peers_whose_buckets_refilled():
 
 def test_requests_waiting_in_a_sessions_queue_hold_no_more_than_they_count():
     # Behind a run that waits, 20 puts of 16,000 empty tensors each: 4.6 MB on the wire,
-    # within the limit, but 320,000 tensor objects (about 160 MB) while they wait.
-    with gg.local_grid(1, limits=Limits(max_client_memory=GiB)) as grid:
+    # within the limit, but 320,000 tensor objects (about 160 MB) while they wait. (Sent at
+    # once, unpaced: no rate of requests or of header bytes applies, safety/intake.py.)
+    limits = Limits(max_client_memory=GiB, requests_per_second=math.inf)
+    with gg.local_grid(1, limits=limits) as grid:
         peer = Peer(grid)
         wait = run([["recv", [0], "w1"]], [9], run_id=7, peers={"w1": "w1"})
         blocked = peer.send("w0", wait)

@@ -64,12 +64,13 @@ def test_resends_while_the_request_is_queued_or_running_do_not_run_it_again(loca
 
 def test_a_reply_that_cannot_be_encoded_is_an_error_reply_and_is_not_run_again(local_grid):
     peer = Peer(local_grid)
-    assert peer.request("w0", {"kind": "put", "values": [[1, torch.ones(3)]]})["ok"]
-    to_chalf = ["call", "aten::_to_copy.default", [Slot(0)], {"dtype": 8}, [1], [], False]
+    halves = torch.ones(3, 2, dtype=torch.half)
+    assert peer.request("w0", {"kind": "put", "values": [[1, halves]]})["ok"]
+    to_chalf = ["call", "aten::view_as_complex.default", [Slot(0)], {}, [1], [], False]
     msg = {"kind": "run", "run": 1, "plan": 1, "program": [[to_chalf, ["return", 1]]],
            "slots": [1, 2], "params": []}  # fmt: skip
     rid = uuid.uuid4().hex
-    reply = peer.request("w0", msg, rid)  # torch.complex32 (8) is not a wire dtype
+    reply = peer.request("w0", msg, rid)  # torch.complex32 is not a wire dtype
     assert not reply["ok"] and "could not be encoded" in reply["error"]["message"]
     worker = local_grid.local_workers[0]
     ops = worker.sessions[f"mallory/{peer.session}"].work.ops_run
