@@ -51,9 +51,10 @@ def test_a_training_step_folds_into_a_box_per_module_call_and_line(mlp_step):
     assert not any(
         len(b.nodes) == 1 and b.nodes[0].op._schema.name in compact.FOLDED for b in lines
     )  # views, detaches and clones outside modules join the box of what they re-present
-    # 61 ops in 12 boxes: each module call forward and backward (parts on two workers),
-    # the loss line before and after model[2], loss.backward() twice, opt.step() per worker
-    assert (len(nodes), len(boxes)) == (61, 12)
+    # 12 boxes (61 ops on torch 2.15, 65 on 2.6, whose decompositions differ): each module
+    # call forward and backward (parts on two workers), the loss line before and after
+    # model[2], loss.backward() twice, opt.step() per worker
+    assert len(boxes) == 12
     edges = nx.DiGraph(
         (id(box_of[p]), id(box_of[n.id])) for n in nodes for p in client.graph.preds[n.id]
     )
@@ -68,7 +69,8 @@ def test_the_compact_dot_names_values_and_hides_unnamed_state(mlp_step, tmp_path
     assert "reads 4 stored" in dot  # Adam's exp_avg and exp_avg_sq of two parameters
     assert "@" not in re.sub(r"tooltip=\"[^\"]*\"", "", dot)  # no op@line ellipses drawn
     full = open(gg.visualize(mlp_step, str(tmp_path / "full.dot"), full=True)).read()
-    assert len(re.findall(r"^ +n\d+ \[label", full, re.M)) == 61  # every op, one node each
+    ops = len(mlp_step.client.graph.nodes())
+    assert len(re.findall(r"^ +n\d+ \[label", full, re.M)) == ops  # every op, one node each
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz's dot")
