@@ -77,6 +77,7 @@ BLOCK_SIZE = 512 * 1024
 ASSEMBLERS = 32  # block payloads fetched at once, each on an assembler of its own
 PENDING_PER_PEER = 4  # of them, from one sending peer; more are dropped (and sent again)
 FETCH_WINDOW = 8  # blocks of one payload fetched at once
+REMOVE_TRIES = 3  # `block rm` calls before a failure to remove blocks is logged
 PUT_PARALLELISM = 8  # blocks stored at once
 MAX_PAYLOAD = 1 << 30  # a worker fetches no message larger than this (bytes)
 STORED_KEPT = 16  # large payloads whose blocks a transport keeps, for resending
@@ -730,10 +731,15 @@ class GridTransport(IpfsTransport):
                 pass
 
     def _remove(self, cids: list[str]) -> None:
-        try:
-            self.kubo.block_rm(cids)
-        except KuboError as error:
-            log.warning("could not remove %d blocks: %s", len(cids), error)
+        """`block rm` of these blocks, tried REMOVE_TRIES times (a busy node may time out)."""
+        for attempt in range(REMOVE_TRIES):
+            try:
+                self.kubo.block_rm(cids)
+                return
+            except KuboError as error:
+                if attempt + 1 == REMOVE_TRIES or self._closed.wait(0.5 * 2**attempt):
+                    log.warning("could not remove %d blocks: %s", len(cids), error)
+                    return
 
     def close(self) -> None:
         """Stop, and remove from this node every block we stored that is still kept."""

@@ -112,8 +112,8 @@ def test_a_dtype_given_as_a_number_is_refused_before_its_meta_run(sweep):
     outcome = sweep.run_case(case)
     assert outcome.verdict == "refused"
     assert "dtype must be a dtype, not -2" in outcome.worker["error"]
-    # Plain torch reads a type table at index -2: a segfault, or an error made of what it read.
-    assert outcome.torch.get("signal") == 11 or "Unsupported TypeMeta" in outcome.torch["error"]
+    # (Plain torch reads a type table at index -2: a segfault, a hang, an error made of what
+    # it read, or a result, depending on the bytes there; so it is not asserted here.)
     honest = sweep.Case("aten::full_like", "dtype", "float32", [x, 0.5],
                         {"dtype": torch.float32, **rest})  # fmt: skip
     assert sweep.run_case(honest).verdict == "ran, equal"

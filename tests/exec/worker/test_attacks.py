@@ -338,11 +338,12 @@ def test_blocks_of_a_payload_that_does_not_open_are_not_kept(
             time.sleep(0.1)
         else:
             pytest.fail(f"the worker never fetched the blocks: {ledger}")
-        for _ in range(100):
+        for _ in range(300):
             if not set(cids) & set(worker_node.refs_local()):
                 break
             time.sleep(0.1)
-        assert not set(cids) & set(worker_node.refs_local()), "the worker's node kept them"
+        kept = set(cids) & set(worker_node.refs_local())
+        assert not kept, f"the worker's node kept {len(kept)}:\n{ipfs_workers[1].log_tail()}"
         assert all(w.proc.poll() is None for w in ipfs_workers)
     finally:
         attacker.kubo.block_rm(cids)
