@@ -15,7 +15,16 @@ import linecache
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gridgraph.schedule.explain import PALETTE, human_bytes, node_stages, quote, shape
+from gridgraph.schedule.explain import (
+    PALETTE,
+    dot_header,
+    human_bytes,
+    node_stages,
+    quote,
+    shape,
+    stored_value,
+    worker_cluster,
+)
 from gridgraph.schedule.plan import Plan
 from gridgraph.trace.graph import Node, Value
 
@@ -178,29 +187,16 @@ def to_dot(
             hidden[v] = owner
             owner.kept += 1
     ids = {id(b): f"b{i}" for i, b in enumerate(all_boxes)}
-    out = [
-        "digraph placement {",
-        '  graph [rankdir=TB, fontname="Helvetica", compound=true, newrank=true, nodesep=0.15, '
-        "ranksep=0.35, "
-        f"label={quote(_title(plan))}];",
-        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11];',
-        '  edge [fontname="Helvetica", fontsize=10, color="#555555"];',
-    ]
+    out = dot_header(
+        _title(plan), node_font=11, spacing="newrank=true, nodesep=0.15, ranksep=0.35, "
+    )
     for w in workers:
         fill, line = colour[w]
-        out += [
-            f"  subgraph {quote('cluster_' + w)} {{",
-            f"    label={quote(w)}; color={quote(line)}; penwidth=2; fontcolor={quote(line)}; "
-            "fontsize=14;",
-        ]
+        out.append(worker_cluster(w, line, " fontsize=14;"))
         mine = [b for b in all_boxes if b.worker == w]
         here = [v for v in stored if values[v].location == w and v not in hidden]
         for v in here:
-            text = f"{label(v)}\n{shape(values, v)}"
-            out.append(
-                f"    v{v} [label={quote(text)}, shape=ellipse, fillcolor=white, "
-                f"color={quote(line)}, fontsize=10];"
-            )
+            out.append(stored_value(v, f"{label(v)}\n{shape(values, v)}", line, ", fontsize=10"))
         if not mine and not here:
             out.append(f'    idle_{len(out)} [label="idle", shape=plaintext, style=""];')
         for b in mine:

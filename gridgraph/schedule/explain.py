@@ -167,6 +167,35 @@ def quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def dot_header(title: str, node_font: int, spacing: str = "") -> list[str]:
+    """The opening lines of a placement picture: its title, and node and edge styles
+    (edges one point smaller than nodes); `spacing` adds graph attributes ("nodesep=...")."""
+    graph = 'rankdir=TB, fontname="Helvetica", compound=true, ' + spacing
+    return [
+        "digraph placement {",
+        f"  graph [{graph}label={quote(title)}];",
+        f'  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize={node_font}];',
+        f'  edge [fontname="Helvetica", fontsize={node_font - 1}, color="#555555"];',
+    ]
+
+
+def worker_cluster(worker: str, line: str, attributes: str = "") -> str:
+    """The line that opens a worker's box (closed by "  }"), drawn in its colour `line`."""
+    return (
+        f"  subgraph {quote('cluster_' + worker)} {{\n"
+        f"    label={quote(worker)}; color={quote(line)}; penwidth=2; fontcolor={quote(line)};"
+        + attributes
+    )
+
+
+def stored_value(vid: int, text: str, line: str, attributes: str = "") -> str:
+    """A value stored before the plan runs: an ellipse labelled `text` in its worker's box."""
+    return (
+        f"    v{vid} [label={quote(text)}, shape=ellipse, fillcolor=white, "
+        f"color={quote(line)}{attributes}];"
+    )
+
+
 def to_dot(
     nodes: list[Node],
     values: Mapping[int, Value],
@@ -187,26 +216,14 @@ def to_dot(
         | {values[v].location for v in stored if values[v].location}
     )
     colour = {w: PALETTE[i % len(PALETTE)] for i, w in enumerate(workers)}
-    out = [
-        "digraph placement {",
-        '  graph [rankdir=TB, fontname="Helvetica", compound=true, '
-        f"label={quote(f'placement: {plan.bytes_moved} bytes moved, {plan.n_stages} stages')}];",
-        '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
-        '  edge [fontname="Helvetica", fontsize=9, color="#555555"];',
-    ]
+    title = f"placement: {plan.bytes_moved} bytes moved, {plan.n_stages} stages"
+    out = dot_header(title, node_font=10)
     for w in workers:
         fill, line = colour[w]
-        out += [
-            f"  subgraph {quote('cluster_' + w)} {{",
-            f"    label={quote(w)}; color={quote(line)}; penwidth=2; fontcolor={quote(line)};",
-        ]
+        out.append(worker_cluster(w, line))
         for v in sorted(stored):
             if values[v].location == w:
-                text = f"{label(v)}\n{shape(values, v)}"
-                out.append(
-                    f"    v{v} [label={quote(text)}, shape=ellipse, fillcolor=white, "
-                    f"color={quote(line)}];"
-                )
+                out.append(stored_value(v, f"{label(v)}\n{shape(values, v)}", line))
         mine = [n for n in nodes if placement[n.id] == w]
         if not mine and not any(values[v].location == w for v in stored):
             out.append(f'    idle_{len(out)} [label="idle", shape=plaintext, style=""];')
