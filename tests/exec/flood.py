@@ -16,12 +16,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from gridgraph.exec import wire
 from gridgraph.exec.ipfs import secure
 from gridgraph.exec.ipfs.kubo import Kubo, KuboError
-from gridgraph.exec.ipfs.transport import SEALED_INLINE
+from gridgraph.exec.ipfs.transport import SEALED_INLINE, GridTransport
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
 from tests.exec.hostile import frame
 
@@ -164,3 +166,29 @@ if __name__ == "__main__":
     api, identity, worker_name, seconds, rate, kind = sys.argv[1:7]
     done = kubo_flood(api, identity, worker_name, float(seconds), float(rate), kind == "random")
     print(done.sent, done.failed, flush=True)
+
+
+@contextmanager
+def announcing(api: str, name: str, instance: str) -> Iterator[None]:
+    """A peer of node `api` announcing itself as worker `name` about 3 times a second, as any
+    peer may, and never serving it."""
+    transport = GridTransport(api)
+    stop = threading.Event()
+
+    def announce() -> None:
+        seq = 0
+        while not stop.is_set():
+            msg = {"kind": "announce", "name": name, "instance": instance, "lease": 300.0,
+                   "seq": seq}  # fmt: skip
+            transport.publish(DISCOVERY_TOPIC, wire.encode(msg), False)
+            seq += 1
+            stop.wait(0.3)
+
+    thread = threading.Thread(target=announce, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        transport.close()

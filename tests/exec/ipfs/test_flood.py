@@ -10,7 +10,6 @@ check: the trusted client lost w1 16-26 s into the flood, its p95 went from 16 m
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -28,7 +27,14 @@ from gridgraph.exec.ipfs.transport import (
     GridTransport,
 )
 from gridgraph.exec.protocol import DISCOVERY_TOPIC
-from tests.exec.flood import LineCounter, finish, latencies, p95, start_outsider
+from tests.exec.flood import (
+    LineCounter,
+    announcing,
+    finish,
+    latencies,
+    p95,
+    start_outsider,
+)
 from tests.exec.ipfs.fixtures import WorkerProcess
 
 pytestmark = pytest.mark.ipfs
@@ -81,25 +87,9 @@ def test_a_flood_from_an_outsider_node_leaves_a_trusted_client_its_workers_and_p
 @pytest.fixture
 def impostor(outsider_node: NodeInfo, ipfs_workers):
     """The outsider announces itself as w1, a few times a second, as any peer may."""
-    transport = GridTransport(outsider_node.api)
-    stop = threading.Event()
-
-    def announce() -> None:
-        seq = 0
-        while not stop.is_set():
-            msg = {"kind": "announce", "name": "w1", "instance": "evil", "lease": 300.0,
-                   "seq": seq}  # fmt: skip
-            transport.publish(DISCOVERY_TOPIC, wire.encode(msg), False)
-            seq += 1
-            stop.wait(0.3)
-
-    thread = threading.Thread(target=announce, daemon=True)
-    thread.start()
-    time.sleep(1.0)
-    yield outsider_node.peer_id
-    stop.set()
-    thread.join()
-    transport.close()
+    with announcing(outsider_node.api, "w1", "evil"):
+        time.sleep(1.0)
+        yield outsider_node.peer_id
 
 
 def test_a_name_two_live_peers_claim_is_refused_naming_both(kubo_nodes, impostor):

@@ -35,6 +35,7 @@ from gridgraph.exec.ipfs.swarm import NodeInfo, spawn_worker, stop_worker
 from gridgraph.exec.ipfs.transport import GridTransport, sealed_blocks, sealed_inline
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, client_topic, worker_topic
 from gridgraph.exec.safety import droplog
+from tests.exec.flood import announcing
 from tests.exec.ipfs.fixtures import Inbox, Raw, Tap, WorkerProcess, start_workers, stop_all
 
 pytestmark = pytest.mark.ipfs
@@ -448,21 +449,7 @@ def test_a_name_announced_by_a_peer_that_never_answers_is_left_out(
 ):
     # connect kept every live name it heard and pinged each in turn: one peer announcing a
     # name it never serves made every connect to the open grid fail (a review).
-    squatter = GridTransport(outsider_node.api)
-    stop = threading.Event()
-
-    def announce() -> None:
-        seq = 0
-        while not stop.is_set():
-            msg = {"kind": "announce", "name": "ghost", "instance": "x", "lease": 300.0,
-                   "seq": seq}  # fmt: skip
-            squatter.publish(DISCOVERY_TOPIC, wire.encode(msg), False)
-            seq += 1
-            stop.wait(0.3)
-
-    thread = threading.Thread(target=announce, daemon=True)
-    thread.start()
-    try:
+    with announcing(outsider_node.api, "ghost", "x"):
         discover(kubo_nodes[0].api, names=["ghost"], timeout=30)  # heard on the client's node
         with caplog.at_level("WARNING", logger="gridgraph.ipfs"):
             for _ in range(3):  # (until a connect has heard it before it chose its workers)
@@ -475,10 +462,6 @@ def test_a_name_announced_by_a_peer_that_never_answers_is_left_out(
         assert "did not answer: ghost" in caplog.text  # it was heard, then left out
         with pytest.raises(GridError, match="ghost"):  # named, it must answer
             gg.connect(ipfs=kubo_nodes[0].api, workers=["ghost"], timeout=5)
-    finally:
-        stop.set()
-        thread.join()
-        squatter.close()
 
 
 def test_a_workers_lease_sets_how_often_that_worker_alone_is_pinged(kubo_nodes, tmp_path):
