@@ -203,11 +203,24 @@ def long_program(grid: Grid, ops: int = 4000) -> gg.RemoteTensor:
     return y
 
 
-def test_ctrl_c_during_a_wait_cancels_the_runs_and_close_takes_under_two_seconds():
+def grid_running_a_long_program(isolate: bool) -> tuple[Grid, gg.RemoteTensor]:
+    """A one-worker grid running `long_program`, and the pointer it computes. `isolate`: its
+    programs run in an executor process (started and warm: under load its start takes
+    seconds, and its warm-up runs one op)."""
+    grid = gg.local_grid(1, isolate=isolate)
+    if isolate:
+        warm = torch.ones(2).send(grid.workers[0])
+        assert torch.equal((warm + 1).get(), torch.full((2,), 2.0))  # the executor serves
+    return grid, long_program(grid).compute()  # returns at once
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["in-process", "executor"])
+def test_ctrl_c_during_a_wait_cancels_the_runs_and_close_takes_under_two_seconds(isolate):
     # Ctrl-C raised, but leaving the `with` block blocked ~23 s until the worker had run the
-    # whole program, and the session stayed on the worker until its lease ended.
-    grid = gg.local_grid(1)
-    y = long_program(grid).compute()  # returns at once
+    # whole program, and the session stayed on the worker until its lease ended. With
+    # isolation (every `gridgraph worker`), the abort reached only the network process's
+    # copy of the session: the program ran on to its end in its executor.
+    grid, y = grid_running_a_long_program(isolate)
     timer = interrupt_after(0.5)
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
@@ -217,8 +230,8 @@ def test_ctrl_c_during_a_wait_cancels_the_runs_and_close_takes_under_two_seconds
     assert interrupted - start < 1.5  # returned at once (one Ctrl-C)
     with pytest.raises(gg.GridError, match="cancelled"):
         y.get()
-    ops = grid.stats()["workers"]["w0"]["ops_run"]
-    assert ops < 4000  # it stopped between ops (or before the first)
+    ops = grid.stats()["workers"]["w0"]["ops_run"]  # (counted in the executor, if any)
+    assert ops < 4000 + isolate  # it stopped between ops (or before the first)
     grid.close()
     assert time.monotonic() - interrupted < 2.0
     assert not grid.local_workers[0].sessions  # everything it held is freed
@@ -262,36 +275,8 @@ def test_grid_cancel_from_another_thread_ends_the_wait_with_the_runs_cancelled()
             y.get()
 
 
-def isolated_grid_running_a_long_program() -> tuple[Grid, gg.RemoteTensor]:
-    """A one-worker grid whose programs run in an executor process (started and warm:
-    under load its start takes seconds), running `long_program`; the pointer it computes."""
-    grid = gg.local_grid(1, isolate=True)
-    warm = torch.ones(2).send(grid.workers[0])
-    assert torch.equal((warm + 1).get(), torch.full((2,), 2.0))  # the executor serves
-    return grid, long_program(grid).compute()
-
-
-def test_ctrl_c_stops_a_program_running_in_an_executor_process():
-    # With isolation (every `gridgraph worker`), the abort reached only the network
-    # process's copy of the session: the program ran on to its end in its executor, and
-    # close after Ctrl-C waited for all of it.
-    grid, y = isolated_grid_running_a_long_program()
-    timer = interrupt_after(0.5)
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        y.get()
-    timer.join()
-    interrupted = time.monotonic()
-    assert interrupted - start < 1.5
-    ops = grid.stats()["workers"]["w0"]["ops_run"]  # counted in the executor
-    assert ops < 4001  # stopped between ops (4001: the warm-up's op and all of it)
-    grid.close()
-    assert time.monotonic() - interrupted < 2.0
-    assert not grid.local_workers[0].sessions
-
-
 def test_grid_cancel_stops_a_program_running_in_an_executor_process():
-    grid, y = isolated_grid_running_a_long_program()
+    grid, y = grid_running_a_long_program(isolate=True)
     with grid:
         threading.Timer(0.5, grid.cancel).start()
         start = time.monotonic()
