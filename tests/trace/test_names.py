@@ -6,14 +6,11 @@ import pytest
 import torch
 
 import gridgraph as gg
+from tests.source_lines import line_of
 
 
 def _line_of(text: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if text in line and "_line_of" not in line:
-                return i
-    raise AssertionError(text)
+    return line_of(__file__, text)
 
 
 def test_a_sent_tensor_is_called_by_the_name_the_line_assigns(local_grid):

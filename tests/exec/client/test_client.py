@@ -16,6 +16,7 @@ from gridgraph.exec.client.client import Client
 from gridgraph.exec.client.requests import FREE_BATCH
 from gridgraph.exec.protocol import client_topic, worker_topic
 from gridgraph.exec.transport import LocalBus
+from tests.source_lines import line_of
 
 
 def test_pointer_holds_metadata_only(grid):
@@ -125,11 +126,7 @@ def test_a_call_that_runs_at_once_names_the_user_line_it_failed_at(local_grid, t
 
 
 def _line_of(text: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if text in line and "_line_of" not in line:
-                return i
-    raise AssertionError(text)
+    return line_of(__file__, text)
 
 
 def test_shape_errors_raise_at_record_time(grid):
