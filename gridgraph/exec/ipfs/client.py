@@ -27,6 +27,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from gridgraph.errors import GridError
@@ -42,6 +43,7 @@ from gridgraph.exec.ipfs.discovery import (
     load_trust,
     trusted_peers,
 )
+from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.progress import wanted
 from gridgraph.exec.ipfs.transport import GridTransport, open_transport
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
@@ -118,6 +120,22 @@ def connect(
     )
 
 
+def _subscribed(transport: Transport) -> Callable[[str, str], bool] | None:
+    """Whether node `peer` holds the subscription to worker `name`'s topic, as this client's
+    Kubo node sees it (its directly connected peers); None for a transport without Kubo."""
+    kubo, wire_topic = getattr(transport, "kubo", None), getattr(transport, "wire_topic", None)
+    if kubo is None or wire_topic is None:
+        return None
+
+    def subscribed(name: str, peer: str) -> bool:
+        try:
+            return peer in kubo.pubsub_peers(wire_topic(worker_topic(name)))
+        except (KuboError, OSError):
+            return False
+
+    return subscribed
+
+
 def grid_over(
     transport: Transport,
     *,
@@ -138,7 +156,7 @@ def grid_over(
     try:
         if type(min_workers) is not int or min_workers < 1:
             raise ValueError(f"min_workers must be a positive int, got {min_workers!r}")
-        directory = Directory(dead_after, trust=trust)
+        directory = Directory(dead_after, trust=trust, subscribed=_subscribed(transport))
         transport.directory = directory  # whom to seal a worker's messages for
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
         ask_workers(transport)

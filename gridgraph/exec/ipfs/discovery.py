@@ -8,7 +8,11 @@ announcing identity ("<peer ID>~<public key>", whole: messages for `w` are seale
 `w` announced), its process instance, when last heard and its lease; and the names pinned.
 Policy:
 - alive: heard within `dead_after` s and not gone (`leave`): a client waiting on a dead worker
-  raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s;
+  raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s. A pinned worker
+  unheard that long is still alive while its node holds the subscription to its topic
+  (`subscribed`, asked at most every PROBE_EVERY s): a worker process keeps it while it
+  lives, whatever delays its heartbeats (a machine under load, a pause), and its node drops
+  it when the process dies;
 - a name is the first announcing peer ID's (a worker restarted on its node keeps it); other
   claims are ignored (logged) while it is alive, and taken once it is silent DEAD_AFTER s, so
   two directories can disagree on who `w` is. The latest rival claim of each name is kept:
@@ -53,6 +57,7 @@ log = logging.getLogger("gridgraph.ipfs")
 
 HEARTBEAT = 1.0  # seconds between a worker's announcements
 DEAD_AFTER = 5.0  # a worker unheard for this long is lost (WorkerLost within 10 s)
+PROBE_EVERY = 1.0  # seconds between two looks at a silent worker's subscription
 DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 12)
@@ -168,8 +173,12 @@ class Directory:
         dead_after: float = DEAD_AFTER,
         on_discover: Callable[[], None] = lambda: None,
         trust: Trust | None = None,
+        subscribed: Callable[[str, str], bool] | None = None,
     ) -> None:
         self.dead_after = dead_after
+        # (name, peer ID) -> whether that node still holds the subscription to the name's topic
+        self.subscribed = subscribed
+        self._probed: dict[str, tuple[float, bool]] = {}  # name -> when subscribed said what
         self.trust = trust  # None: an open grid, any peer may announce a worker
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
@@ -300,13 +309,28 @@ class Directory:
             return sorted(n for n, s in self._seen.items() if self._fresh(s, now))
 
     def alive(self, name: str) -> bool:
-        """Heard lately, and (once pinned) still the same process of the same endpoint."""
+        """Heard lately, or pinned and its node still subscribed to its topic; and (once
+        pinned) still the same process of the same endpoint."""
+        now = time.monotonic()
         with self._cv:
             seen = self._seen.get(name)
-            if seen is None or not self._fresh(seen, time.monotonic()):
+            if seen is None or seen.gone:
                 return False
             pinned = self._pinned.get(name, seen)
-            return (pinned.identity, pinned.instance) == (seen.identity, seen.instance)
+            if (pinned.identity, pinned.instance) != (seen.identity, seen.instance):
+                return False
+            if self._fresh(seen, now):
+                return True
+            if self.subscribed is None or name not in self._pinned:
+                return False
+            when, said = self._probed.get(name, (-math.inf, False))
+            if now - when < PROBE_EVERY:
+                return said
+            self._probed[name] = (now, said)  # (others meanwhile take the last answer)
+        said = self.subscribed(name, peer_of(seen.identity))
+        with self._cv:
+            self._probed[name] = (time.monotonic(), said)
+        return said
 
     def identity(self, name: str, wait: float = 0.0) -> str | None:
         """The identity of worker `name`: the pinned one once pinned, else the one that owns
