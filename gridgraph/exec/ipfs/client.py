@@ -54,6 +54,7 @@ log = logging.getLogger("gridgraph.ipfs")
 
 DEFAULT_API = "/ip4/127.0.0.1/tcp/5001"
 MIN_PING_INTERVAL = 0.5  # seconds: a worker's lease sets how often it is pinged, down to this
+PROBE_TIMEOUT = 5.0  # seconds this client's node has to say whether a worker is subscribed
 PING_TIMEOUT = 15.0  # seconds a worker found by discovery has to answer its first ping
 
 
@@ -120,18 +121,23 @@ def connect(
     )
 
 
-def _subscribed(transport: Transport) -> Callable[[str, str], bool] | None:
+def _subscribed(transport: Transport) -> Callable[[str, str], bool | None] | None:
     """Whether node `peer` holds the subscription to worker `name`'s topic, as this client's
-    Kubo node sees it (its directly connected peers); None for a transport without Kubo."""
-    kubo, wire_topic = getattr(transport, "kubo", None), getattr(transport, "wire_topic", None)
-    if kubo is None or wire_topic is None:
+    Kubo node sees it (itself, or a peer connected to it), or None when that node does not
+    answer in PROBE_TIMEOUT s; None for a transport without Kubo."""
+    kubo, here = getattr(transport, "kubo", None), getattr(transport, "peer", None)
+    wire_topic = getattr(transport, "wire_topic", None)
+    if kubo is None or here is None or wire_topic is None:
         return None
 
-    def subscribed(name: str, peer: str) -> bool:
+    def subscribed(name: str, peer: str) -> bool | None:
+        topic = wire_topic(worker_topic(name))
         try:
-            return peer in kubo.pubsub_peers(wire_topic(worker_topic(name)))
+            if peer == here:
+                return topic in kubo.pubsub_ls(timeout=PROBE_TIMEOUT)
+            return peer in kubo.pubsub_peers(topic, timeout=PROBE_TIMEOUT)
         except (KuboError, OSError):
-            return False
+            return None
 
     return subscribed
 

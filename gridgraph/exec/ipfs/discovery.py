@@ -173,10 +173,11 @@ class Directory:
         dead_after: float = DEAD_AFTER,
         on_discover: Callable[[], None] = lambda: None,
         trust: Trust | None = None,
-        subscribed: Callable[[str, str], bool] | None = None,
+        subscribed: Callable[[str, str], bool | None] | None = None,
     ) -> None:
         self.dead_after = dead_after
-        # (name, peer ID) -> whether that node still holds the subscription to the name's topic
+        # (name, peer ID) -> whether that node still holds the subscription to the name's
+        # topic (None: could not tell)
         self.subscribed = subscribed
         self._probed: dict[str, tuple[float, bool]] = {}  # name -> when subscribed said what
         self.trust = trust  # None: an open grid, any peer may announce a worker
@@ -323,12 +324,13 @@ class Directory:
                 return True
             if self.subscribed is None or name not in self._pinned:
                 return False
-            when, said = self._probed.get(name, (-math.inf, False))
+            when, said = self._probed.get(name, (-math.inf, True))
             if now - when < PROBE_EVERY:
                 return said
-            self._probed[name] = (now, said)  # (others meanwhile take the last answer)
-        said = self.subscribed(name, peer_of(seen.identity))
+            self._probed[name] = (now, said)  # (meanwhile others take the last answer)
+        answer = self.subscribed(name, peer_of(seen.identity))
         with self._cv:
+            said = said if answer is None else answer
             self._probed[name] = (time.monotonic(), said)
         return said
 

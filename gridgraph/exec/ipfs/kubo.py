@@ -297,9 +297,15 @@ class Kubo:
         whose data is over `max_data` bytes (when given) are skipped unparsed."""
         return Subscription(self.addr, topic, connect_timeout=self.timeout, max_data=max_data)
 
-    def pubsub_peers(self, topic: str) -> list[str]:
+    def pubsub_peers(self, topic: str, timeout: float | None = None) -> list[str]:
         """Peer ids connected to us that are subscribed to `topic`."""
-        return self._call("/pubsub/peers", [mb_encode(topic.encode())])[0].get("Strings") or []
+        reply = self._call("/pubsub/peers", [mb_encode(topic.encode())], timeout=timeout)
+        return reply[0].get("Strings") or []
+
+    def pubsub_ls(self, timeout: float | None = None) -> list[str]:
+        """The topics this node is subscribed to (for any of its clients)."""
+        encoded = self._call("/pubsub/ls", timeout=timeout)[0].get("Strings") or []
+        return [mb_decode(t).decode(errors="replace") for t in encoded]
 
     def block_put(self, data: bytes) -> str:
         """Store one raw block (at most MAX_BLOCK_SIZE bytes) and return its CID."""
