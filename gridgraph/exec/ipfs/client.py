@@ -27,7 +27,6 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 from gridgraph.errors import GridError
@@ -41,9 +40,9 @@ from gridgraph.exec.ipfs.discovery import (
     Trust,
     ask_workers,
     load_trust,
+    subscription_probe,
     trusted_peers,
 )
-from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.progress import wanted
 from gridgraph.exec.ipfs.transport import GridTransport, open_transport
 from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
@@ -54,7 +53,6 @@ log = logging.getLogger("gridgraph.ipfs")
 
 DEFAULT_API = "/ip4/127.0.0.1/tcp/5001"
 MIN_PING_INTERVAL = 0.5  # seconds: a worker's lease sets how often it is pinged, down to this
-PROBE_TIMEOUT = 5.0  # seconds this client's node has to say whether a worker is subscribed
 PING_TIMEOUT = 15.0  # seconds a worker found by discovery has to answer its first ping
 
 
@@ -121,27 +119,6 @@ def connect(
     )
 
 
-def _subscribed(transport: Transport) -> Callable[[str, str], bool | None] | None:
-    """Whether node `peer` holds the subscription to worker `name`'s topic, as this client's
-    Kubo node sees it (itself, or a peer connected to it), or None when that node does not
-    answer in PROBE_TIMEOUT s; None for a transport without Kubo."""
-    kubo, here = getattr(transport, "kubo", None), getattr(transport, "peer", None)
-    wire_topic = getattr(transport, "wire_topic", None)
-    if kubo is None or here is None or wire_topic is None:
-        return None
-
-    def subscribed(name: str, peer: str) -> bool | None:
-        topic = wire_topic(worker_topic(name))
-        try:
-            if peer == here:
-                return topic in kubo.pubsub_ls(timeout=PROBE_TIMEOUT)
-            return peer in kubo.pubsub_peers(topic, timeout=PROBE_TIMEOUT)
-        except (KuboError, OSError):
-            return None
-
-    return subscribed
-
-
 def grid_over(
     transport: Transport,
     *,
@@ -162,7 +139,7 @@ def grid_over(
     try:
         if type(min_workers) is not int or min_workers < 1:
             raise ValueError(f"min_workers must be a positive int, got {min_workers!r}")
-        directory = Directory(dead_after, trust=trust, subscribed=_subscribed(transport))
+        directory = Directory(dead_after, trust=trust, subscribed=subscription_probe(transport))
         transport.directory = directory  # whom to seal a worker's messages for
         transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
         ask_workers(transport)

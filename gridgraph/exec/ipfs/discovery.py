@@ -8,7 +8,7 @@ announcing identity ("<peer ID>~<public key>", whole: messages for `w` are seale
 `w` announced), its process instance, when last heard and its lease; and the names pinned.
 Policy:
 - alive: heard within `dead_after` s and not gone (`leave`): a client waiting on a dead worker
-  raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s. A pinned worker
+  raises `WorkerLost`, so a killed worker is noticed in DEAD_AFTER + ~1 s. A worker
   unheard that long is still alive while its node holds the subscription to its topic
   (`subscribed`, asked at most every PROBE_EVERY s): a worker process keeps it while it
   lives, whatever delays its heartbeats (a machine under load, a pause), and its node drops
@@ -49,7 +49,7 @@ from gridgraph.exec import wire
 from gridgraph.exec.ipfs.kubo import KuboError
 from gridgraph.exec.ipfs.secure import peer_of
 from gridgraph.exec.ipfs.transport import GridTransport
-from gridgraph.exec.protocol import DISCOVERY_TOPIC
+from gridgraph.exec.protocol import DISCOVERY_TOPIC, worker_topic
 from gridgraph.exec.safety.droplog import DropLog
 from gridgraph.exec.transport import Transport
 
@@ -58,6 +58,7 @@ log = logging.getLogger("gridgraph.ipfs")
 HEARTBEAT = 1.0  # seconds between a worker's announcements
 DEAD_AFTER = 5.0  # a worker unheard for this long is lost (WorkerLost within 10 s)
 PROBE_EVERY = 1.0  # seconds between two looks at a silent worker's subscription
+PROBE_TIMEOUT = 5.0  # seconds a node has to say whether a worker's node is subscribed
 DEFAULT_LEASE = 300.0  # a silent client's tensors are freed after this long
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_INSTANCE = 64  # characters of a worker process's instance id (workers send 12)
@@ -156,6 +157,28 @@ class Seen:
     lease: float
     gone: bool = False
     info: dict[str, float] | None = None  # what it announced of ANNOUNCED
+
+
+def subscription_probe(transport: Transport) -> Callable[[str, str], bool | None] | None:
+    """`subscribed(name, peer)`: whether node `peer` holds the subscription to worker
+    `name`'s topic, as the Kubo node of `transport` sees it (itself, or a peer connected to
+    it), or None when that node does not answer in PROBE_TIMEOUT s. None for a transport
+    without Kubo."""
+    kubo, here = getattr(transport, "kubo", None), getattr(transport, "peer", None)
+    wire_topic = getattr(transport, "wire_topic", None)
+    if kubo is None or here is None or wire_topic is None:
+        return None
+
+    def subscribed(name: str, peer: str) -> bool | None:
+        topic = wire_topic(worker_topic(name))
+        try:
+            if peer == here:
+                return topic in kubo.pubsub_ls(timeout=PROBE_TIMEOUT)
+            return peer in kubo.pubsub_peers(topic, timeout=PROBE_TIMEOUT)
+        except (KuboError, OSError):
+            return None
+
+    return subscribed
 
 
 class Directory:
@@ -310,8 +333,8 @@ class Directory:
             return sorted(n for n, s in self._seen.items() if self._fresh(s, now))
 
     def alive(self, name: str) -> bool:
-        """Heard lately, or pinned and its node still subscribed to its topic; and (once
-        pinned) still the same process of the same endpoint."""
+        """Heard lately, or its node still subscribed to its topic; and (once pinned) still
+        the same process of the same endpoint."""
         now = time.monotonic()
         with self._cv:
             seen = self._seen.get(name)
@@ -322,7 +345,7 @@ class Directory:
                 return False
             if self._fresh(seen, now):
                 return True
-            if self.subscribed is None or name not in self._pinned:
+            if self.subscribed is None:
                 return False
             when, said = self._probed.get(name, (-math.inf, True))
             if now - when < PROBE_EVERY:

@@ -27,6 +27,7 @@ from gridgraph.exec.ipfs.discovery import (
     Directory,
     check_name,
     load_trust,
+    subscription_probe,
     trusted_peers,
 )
 from gridgraph.exec.ipfs.kubo import KuboError
@@ -105,7 +106,9 @@ def _serve_as_worker(
     # Who else is alive, and whether a rival holds our name. Not whom to send transfers to, nor
     # whom to take them from: each run names those identities (worker.py), and the transport
     # has no directory, so nothing goes to a worker topic without one.
-    directory = Directory(on_discover=asked.set, trust=transport.allow)  # private: allowed only
+    directory = Directory(
+        on_discover=asked.set, trust=transport.allow, subscribed=subscription_probe(transport)
+    )  # private: allowed only
     transport.subscribe(DISCOVERY_TOPIC, directory.on_message)
     # Executors fork from a server that imports torch first: start it now, not on a client's
     # first request (pings, as `connect` sends, are answered without it meanwhile).
