@@ -102,8 +102,8 @@ class Record:
 
     def __init__(self) -> None:
         self.reply: bytes | None = None  # None: queued or running, or the reply was dropped
-        self.sent_at = math.inf  # monotonic time the reply went out (inf until it did)
-        self.resent = 0  # times the reply was sent again (worker.RESENDS at most)
+        self.sent_at = math.inf  # monotonic time its latest copy went out (inf until one did)
+        self.resent = 0  # times the reply was sent again (worker.RESENDS, then paced)
         self.dropped: str | None = None  # why the reply is no longer kept, once it is not
         self.charged = False  # its reply's bytes are charged to the peer's memory budget
 

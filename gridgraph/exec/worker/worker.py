@@ -93,9 +93,13 @@ ENDED_BEFORE_RUN = RequestError(
     "ran; nothing of it ran",
     SESSION_ENDED,
 )
-# A kept reply or transfer is sent again at most this often (ipfs: PubSub loses 0.5-3% of
-# messages under load, so a few resends cover honest losses).
+# A kept reply or transfer is sent again this often when asked (ipfs: PubSub loses 0.5-3% of
+# messages under load, so a few resends cover honest losses). Then a transfer is not sent
+# again, and a reply only once REPLY_RESEND_GAP s passed since its latest copy went, twice as
+# long after each copy: under load a reply is slow more often than lost, and a request that
+# ran is never answered with an error for being asked again.
 RESENDS = 4
+REPLY_RESEND_GAP = 0.5
 
 
 class Worker:
@@ -241,18 +245,19 @@ class Worker:
             session.reply_topic = reply_to
             if rec is not None or stale:  # a resend, or an old copy: never run twice
                 lost = rec is not None and rec.reply is not None and arrived > rec.sent_at
-                if lost and rec.resent >= RESENDS:  # lost that often: asked to amplify
-                    lost = False  # (a reply can be large; each resend is a publish of it)
-                    why = f"it was sent {RESENDS} times again already"
-                else:
-                    why = ACKNOWLEDGED if stale else rec.dropped
+                if lost and rec.resent >= RESENDS:  # past RESENDS copies: paced, not refused
+                    gap = REPLY_RESEND_GAP * 2 ** min(rec.resent - RESENDS, 16)
+                    if arrived - rec.sent_at < gap:
+                        return  # its latest copy may be on its way (slow, not lost): the
+                        # client asks again later. (A reply can be large, each copy a publish.)
+                why = ACKNOWLEDGED if stale else rec.dropped
                 forgotten = not lost and (stale or rec.sent_at < arrived)
                 if (lost or forgotten) and not self._rate.allow(owner):
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
                     return
                 if lost:
-                    rec.resent += 1
+                    rec.resent, rec.sent_at = rec.resent + 1, arrived
                     self._outbox.put((reply_to, rec.reply, None))
                 elif forgotten:
                     error = RequestError(

@@ -4,7 +4,7 @@ bench/bench_load.py.
 
 One computation: two tensors sent to two different workers, `(x * y + x).sum()` read back,
 compared bit for bit with plain torch on the same inputs. A process prints one JSON line:
-each computation's seconds and, for a failure, the error's type and first line.
+each computation's seconds and, for a failure, the error's type and message.
 
 Run one client process: python -m tests.exec.ipfs.load API W0,W1,W2 THREADS SEED
 """
@@ -50,7 +50,7 @@ def one_client(api: str, workers: list[str], threads: int, seed: int) -> dict:
                 computation(grid, seed * 10_000 + i)
             except Exception as e:  # (what the test counts: every error is a failure)
                 with lock:
-                    errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    errors.append(f"{type(e).__name__}: {' | '.join(str(e).splitlines())[:300]}")
             else:
                 with lock:
                     seconds.append(time.perf_counter() - began)

@@ -12,6 +12,7 @@ import logging
 import math
 import queue
 import threading
+import time
 import tracemalloc
 
 import pytest
@@ -31,7 +32,7 @@ from gridgraph.exec.safety.limits import (
 )
 from gridgraph.exec.worker import ops, prepare
 from gridgraph.exec.worker.session import ENDED_KEPT
-from gridgraph.exec.worker.worker import RESENDS
+from gridgraph.exec.worker.worker import REPLY_RESEND_GAP, RESENDS
 from gridgraph.schedule.program import Param, Slot
 from gridgraph.trace.allowlist import resolve
 from tests.exec import hostile
@@ -579,7 +580,7 @@ def test_asks_to_resend_a_kept_transfer_count_against_the_askers_rate():
         assert 1 <= len(copies) - 1 <= 3  # sent again while within its rate
 
 
-def test_a_kept_reply_or_transfer_is_sent_again_a_few_times_at_most():
+def test_a_kept_reply_or_transfer_is_sent_again_a_few_times_at_most_and_never_refused():
     # Within a generous rate (2,000 at once by default), one small ask after another made
     # the worker's shared sender publish the same large reply or transfer again each time:
     # 2,000 asks for a 64 MiB transfer would publish 128 GB, ahead of everyone's replies.
@@ -595,13 +596,17 @@ def test_a_kept_reply_or_transfer_is_sent_again_a_few_times_at_most():
         for _ in range(50):
             peer.publish("w0", wire.encode(ask))
             peer.send("w0", send, rid="big")  # its reply "lost" again and again
+        time.sleep(2 * REPLY_RESEND_GAP)
+        peer.send("w0", send, rid="big")  # asked once more, after a while
         answers = []
         with contextlib.suppress(queue.Empty):
             while True:
                 answers.append(peer.replies.get(timeout=1.0))
         again = [a for a in answers if a.get("re") == "big"]
-        assert len(again) == 50 and sum(a["ok"] for a in again) == RESENDS
-        assert all("already served" in a["error"]["message"] for a in again if not a["ok"])
+        # RESENDS copies of the reply, then one more paced in time, never an error: the
+        # request ran. (Refused as "sent 4 times again already", requests that ran got that
+        # error under load, while their replies were only slow.)
+        assert RESENDS <= len(again) <= RESENDS + 2 and all(a["ok"] for a in again), again
         assert len(copies) - 1 == RESENDS
 
 
