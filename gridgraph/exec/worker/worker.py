@@ -280,8 +280,8 @@ class Worker:
                 return
             session.record(rid)  # a refusal is an answer too: recorded like one
             if error is not None:
-                log.warning("%s: refused a %.40r request from %s: %s", self.name, msg["kind"], key,
-                            error)  # fmt: skip
+                self._drops.warning(owner, "%s: refused a %.40r request from %s: %s", self.name,
+                                    msg["kind"], key, error)  # fmt: skip
                 self._reply(session, rid, self._error_reply(rid, error), queued=True)
                 return
             # One that arrives while another waits or runs is kept as received, decoded when
@@ -638,7 +638,7 @@ class Worker:
         """An error reply decided on the transport's thread (nothing recorded, nothing run),
         sent within `peer`'s share of what waits in the outbox (else shed: a resend of the
         request is judged afresh)."""
-        log.warning("%s: refused request %s: %s", self.name, rid, error)
+        self._drops.warning(peer, "%s: refused a request of %s: %s", self.name, peer, error)
         self._outbox.put(peer, reply_to, self._error_reply(rid, error), refusal=True)
 
     def _publish(
