@@ -123,7 +123,8 @@ class Sample:
 def capture(names: set[str], per_op: int, opinfos: str | None = None) -> dict[str, list[Sample]]:
     """Up to `per_op` sample calls of each op in `names` (distinct in their arguments'
     dtypes, ranks and constants), from PyTorch's OpInfo samples (those whose name matches
-    `opinfos`, when given), forward, backward and in place, in float32, int64 and uint8."""
+    `opinfos`, when given), forward (with and without autograd), backward and in place, in
+    float32, int64 and uint8."""
     from torch.testing._internal.common_methods_invocations import op_db
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -164,6 +165,13 @@ def capture(names: set[str], per_op: int, opinfos: str | None = None) -> dict[st
                             torch.autograd.backward([t.sum() for t in leaves])
                 except Exception:
                     pass
+                if grad:  # (without autograd some ops take another kernel: embedding_bag)
+                    try:
+                        args, kwargs = _detached([sample.input, *sample.args], sample.kwargs)
+                        with torch.no_grad(), Capture():
+                            opinfo(*args, **kwargs)
+                    except Exception:
+                        pass
                 if opinfo.inplace_variant is None:
                     continue
                 try:  # (on copies: the in-place op changes its first input)

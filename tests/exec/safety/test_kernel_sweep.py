@@ -140,6 +140,13 @@ def test_in_place_variants_are_sampled_too(sweep):
     assert any(c.argument == "index" for c in sweep.cases(sample))
 
 
+def test_kernels_taken_only_without_autograd_are_sampled_too(sweep):
+    # embedding_bag takes _embedding_bag_forward_only when its weight needs no gradient: the
+    # capture ran every float sample with autograd, and never reached it.
+    found = sweep.capture({"aten::_embedding_bag_forward_only"}, 1, "^nn.functional.embedding_bag$")
+    assert set(found) == {"aten::_embedding_bag_forward_only"}
+
+
 def test_an_in_place_layout_refused_before_it_changes_is_a_refusal(sweep):
     # as_strided_ checks its layout before it changes its tensor (ops._as_strided_): the
     # sweep counted that check's ViewOutOfBounds as a result outside its storage, a finding.
