@@ -4,8 +4,9 @@ values, each call in a child process, through the checks a worker makes before i
 Which ops: every op on the allowlist (gridgraph/trace/allowlist.py) whose schema has an
 int, SymInt, int[] or SymInt[] argument, a float argument named as a scale, or a tensor
 argument that its sample calls pass as integers (`swept_arguments`). Their sample calls come
-from PyTorch's OpInfo samples (forward and backward; `capture`), up to `--per-op` calls of
-different argument kinds per op; an op no sample reaches is listed as not swept.
+from PyTorch's OpInfo samples (forward, backward and in-place variants; `capture`), up to
+`--per-op` calls of different argument kinds per op; an op no sample reaches is listed as
+not swept.
 
 What values: each swept argument of each sample call, one at a time, set to each value of
 its kind (`ADVERSARIAL`: negative, past the end of every input dimension, 2**31, 2**32 + 1,
@@ -17,7 +18,8 @@ buffers whose margins hold a known byte pattern (a canary), the call goes the wo
 (prepare.CompiledCall: its meta footprint, the limits, kernel_checks, the run, the bounds of
 its result); in a second child the same call on the margins' other pattern, and in a third
 plain torch. A case is then:
-- refused: before its kernel ran (by its meta kernel, the limits or kernel_checks);
+- refused: before its kernel ran (by its meta kernel, the limits, kernel_checks or
+  as_strided_'s layout check);
 - torch refuses: its kernel ran and raised torch's own error;
 - ran, equal: it ran and gave what plain torch gives (results and inputs, bit for bit);
 - a finding: the worker's way crashed (a signal in the child), timed out, wrote a margin,
@@ -59,7 +61,7 @@ import torch
 
 from gridgraph.exec.safety.kernel_checks import KernelArgumentRefused
 from gridgraph.exec.safety.limits import LimitExceeded, Limits, data_dependent_footprint
-from gridgraph.exec.worker.ops import RandomState, check_view
+from gridgraph.exec.worker.ops import RandomState, ViewOutOfBounds, check_bounds, check_view
 from gridgraph.exec.worker.prepare import CompiledCall
 from gridgraph.schedule.program import Call, Param
 from gridgraph.trace.allowlist import ALLOWED, UNINITIALIZED, OpRefused, resolve
@@ -77,7 +79,7 @@ PATTERNS = (0x3C, 0x41)  # (small, positive floats in every float dtype)
 LIMITS = Limits(max_client_memory=1 << 30, max_request_seconds=10.0)
 CHILD_SECONDS = 30  # a child running longer is stopped: a timeout
 CHILD_ADDRESS_SPACE = 16 << 30  # so that a huge allocation fails fast rather than swap
-REFUSED = ("meta", "limits", "kernel_checks", "footprint")
+REFUSED = ("meta", "limits", "kernel_checks", "footprint", "layout")
 
 
 # --- which ops and arguments -------------------------------------------------------------
@@ -121,7 +123,8 @@ class Sample:
 def capture(names: set[str], per_op: int, opinfos: str | None = None) -> dict[str, list[Sample]]:
     """Up to `per_op` sample calls of each op in `names` (distinct in their arguments'
     dtypes, ranks and constants), from PyTorch's OpInfo samples (those whose name matches
-    `opinfos`, when given), forward and backward, in float32, int64 and uint8."""
+    `opinfos`, when given), forward (with and without autograd), backward and in place, in
+    float32, int64 and uint8."""
     from torch.testing._internal.common_methods_invocations import op_db
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -160,6 +163,21 @@ def capture(names: set[str], per_op: int, opinfos: str | None = None) -> dict[st
                                   if isinstance(t, torch.Tensor) and t.requires_grad]  # fmt: skip
                         if leaves:
                             torch.autograd.backward([t.sum() for t in leaves])
+                except Exception:
+                    pass
+                if grad:  # (without autograd some ops take another kernel: embedding_bag)
+                    try:
+                        args, kwargs = _detached([sample.input, *sample.args], sample.kwargs)
+                        with torch.no_grad(), Capture():
+                            opinfo(*args, **kwargs)
+                    except Exception:
+                        pass
+                if opinfo.inplace_variant is None:
+                    continue
+                try:  # (on copies: the in-place op changes its first input)
+                    args, kwargs = _detached([sample.input, *sample.args], sample.kwargs)
+                    with torch.no_grad(), Capture():
+                        opinfo.inplace_variant(*args, **kwargs)
                 except Exception:
                     pass
     return found
@@ -354,14 +372,20 @@ def _as_worker(case: Case, pattern: int) -> dict:
         return {"refused": "footprint", "error": _said(e)}
     try:
         result = call.run(RandomState(), args, kwargs)
-        check_view(result)
-        outcome["digest"] = _digest(result, args, kwargs)
     except KernelArgumentRefused as e:
         outcome.update(refused="kernel_checks", error=_said(e))
-    except OpRefused as e:
-        outcome.update(refused="bounds", error=_said(e))
+    except OpRefused as e:  # (raised before the kernel: as_strided_'s layout check)
+        outcome.update(refused="layout", error=_said(e))
     except Exception as e:
         outcome["error"] = _said(e)
+    else:
+        try:
+            check_view(result)
+            outcome["digest"] = _digest(result, args, kwargs)
+        except OpRefused as e:
+            outcome.update(refused="bounds", error=_said(e))
+        except Exception as e:
+            outcome["error"] = _said(e)
     outcome["margins"] = _margins_intact(guards, pattern)
     return outcome
 
@@ -374,10 +398,27 @@ def _as_torch(case: Case, pattern: int) -> dict:
     try:
         result = resolve(case.name)(*args, **kwargs)
         outcome["digest"] = _digest(result, args, kwargs)
+        outside = _outside(result)
+        if outside:
+            outcome["outside"] = outside
     except Exception as e:
         outcome["error"] = _said(e)
     outcome["margins"] = _margins_intact(guards, pattern)
     return outcome
+
+
+def _outside(result: Any) -> str | None:
+    """How a tensor `result` holds (a strided one on the CPU) reaches outside its storage,
+    if one does: plain torch's as_strided_ makes such views, and reads past them later."""
+    for t in _tensors(list(result) if isinstance(result, (tuple, list)) else [result], {}):
+        if t.layout == torch.strided and t.is_cpu:
+            try:
+                check_bounds(t)
+            except ViewOutOfBounds as e:
+                return _said(e)
+            except OpRefused:  # (too many dimensions for the wire: no view outside)
+                pass
+    return None
 
 
 def _said(e: Exception) -> str:
@@ -451,9 +492,12 @@ def run_case(case: Case) -> Outcome:
 def _plain_torch(case: Case) -> dict:
     """`_as_torch` of a case the worker's way refused, in a child of its own; when it
     computes it, again on the other margin pattern: "unsafe" says how it went wrong there
-    (a signal, a margin written, a result that depends on the margins' bytes)."""
+    (a signal, a margin written, a result that depends on the margins' bytes, a view that
+    reaches outside its storage)."""
     plain = in_child(_as_torch, case, PATTERNS[0])
-    if "digest" in plain and plain["margins"]:
+    if "outside" in plain:
+        plain["unsafe"] = f"plain torch returns a view outside its storage ({plain['outside']})"
+    elif "digest" in plain and plain["margins"]:
         other = in_child(_as_torch, case, PATTERNS[1])
         if "signal" in other:
             plain["unsafe"] = f"plain torch ends in signal {other['signal']} on other bytes"

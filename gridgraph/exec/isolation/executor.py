@@ -21,8 +21,10 @@ Policy:
   every CANCEL_TICK s while a request runs): its program stops between ops.
 - loss: a crash, kill or time-out ends that session only; its request, and every later one,
   gets an error naming the cause (`gg.SessionLost` on the client).
-- wire: nothing crosses as pickle; every frame an executor sends is checked (`request`), its
-  data bounded per kind of frame (`data_limits`); the framing section lists the frames.
+- wire: nothing crosses as pickle; every frame an executor sends is checked (`request`): its
+  size (FRAME_MAX) before it is read, what its msgpack holds (FRAME_CAPS) as it is decoded,
+  its data per kind of frame (`data_limits`); a frame refused ends its executor, never the
+  network process. The framing section lists the frames.
 """
 
 from __future__ import annotations
@@ -77,10 +79,26 @@ class NetworkSide(Protocol):
 KILL_GRACE = 2.0  # seconds past its time limit before a request's executor is killed
 INLINE_MAX = 64 << 10  # data up to this size rides in the frame itself
 SHRINK_PAST = 1 << 20  # a shared file is emptied after a message larger than this
-FRAME_MAX = 1 << 20  # a control frame larger than this is a broken executor
+# A frame holds its inline data and, besides, at most a few numbers, two names of at most
+# protocol.MAX_NAME characters (4 bytes each at most) or an error text of TEXT_MAX: one
+# larger than FRAME_MAX is a broken executor's.
+TEXT_MAX = 1024  # characters of an error text in a frame
+FRAME_MAX = INLINE_MAX + (16 << 10)
+# What a frame's msgpack may hold, checked as it is decoded (wire.unpackb): one flat array of
+# at most FRAME_FIELDS fields; no maps, no extension types (each array or map decoded is an
+# allocation: a frame of a million empty lists took 70 MB and a tenth of a second to build).
+FRAME_FIELDS = 7  # ["recv", run, value, src, peer, seconds, ask_after]
+FRAME_CAPS = {
+    "max_containers": 1,
+    "max_array_len": FRAME_FIELDS,
+    "max_map_len": 0,
+    "max_ext_len": 0,
+    "max_bin_len": INLINE_MAX,
+    "max_str_len": FRAME_MAX - INLINE_MAX,
+}
 # What one read of the pipe asks for: a whole frame with inline data (its other fields are
-# two names of at most protocol.MAX_NAME characters and a few numbers), and under the size
-# past which malloc maps (and unmaps) each buffer.
+# two names and a few numbers, as a rule ASCII), and under the size past which malloc maps
+# (and unmaps) each buffer.
 READ_SIZE = INLINE_MAX + 1024
 _LENGTH = struct.Struct("!I")  # a frame's length, before it on the pipe
 CANCEL_TICK = 0.05  # while a request runs, how often its server looks for a client's cancel
@@ -227,7 +245,9 @@ class Executor:
                     self._recv(worker, session, frame, kill_at)
                 else:
                     self._end(f"it sent a malformed frame {frame!r:.60}")
-        except (EOFError, OSError, ValueError, TypeError, msgpack.UnpackException):
+        except BadFrame as e:  # (read no further than its check; the process lives on)
+            self._end(f"it sent a frame the worker refused ({e})")
+        except (EOFError, OSError, ValueError, TypeError):
             self._end(_over_time(worker.limits) if watch.killed else self._cause())
         finally:
             _WATCHDOG.forget(self.process)
@@ -240,9 +260,9 @@ class Executor:
         try:
             payload = worker.wait_transfer(session, key, str(peer), deadline, float(ask_after))
         except UpstreamFailed as e:
-            self.channel.send(["recv-error", "upstream", str(e)])
+            self.channel.send(["recv-error", "upstream", str(e)[:TEXT_MAX]])
         except TimeoutError as e:
-            self.channel.send(["recv-error", "timeout", str(e)])
+            self.channel.send(["recv-error", "timeout", str(e)[:TEXT_MAX]])
         else:
             self.channel.send(["recv-ok"], payload)
 
@@ -447,6 +467,11 @@ def _recv_frame(frame: list) -> bool:
 #     ["exit"]
 
 
+class BadFrame(ValueError):
+    """A frame that is not one (its size, its msgpack, its shape or its data): its sender
+    is broken, or taken over."""
+
+
 def _in_file(data: bytes | bytearray) -> bool:
     """Whether `data` travels through a shared file rather than inline in its frame."""
     return len(data) > INLINE_MAX
@@ -503,10 +528,14 @@ class _Channel:
     def receive(self, max_data: dict[str, float]) -> tuple[list, bytearray | None]:
         """A frame and its data (None if it carries none), the data at most `max_data` of
         its kind of frame (no limit for a kind not there). Raises EOFError at the end of
-        the pipe, ValueError on a frame that is not one."""
-        frame = msgpack.unpackb(self._frame())
+        the pipe, BadFrame on a frame that is not one, decoding no more of it than its size
+        and FRAME_CAPS allow."""
+        try:
+            frame = wire.unpackb(self._frame(), **FRAME_CAPS)
+        except wire.WireError as e:
+            raise BadFrame(str(e)) from None
         if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
-            raise ValueError("malformed frame")
+            raise BadFrame("malformed frame")
         if frame[0] not in ("request", "reply", "transfer", "recv-ok"):
             return frame, None
         last = frame.pop()
@@ -514,13 +543,13 @@ class _Channel:
             return frame, bytearray(last)
         limit = max_data.get(frame[0], math.inf)
         if type(last) is not int or not INLINE_MAX < last <= limit:  # (less rides inline)
-            raise ValueError(f"data of {last!r} bytes")
+            raise BadFrame(f"data of {last!r} bytes")
         data = bytearray(last)  # a copy: the writer cannot change what is checked
         view, done = memoryview(data), 0
         while done < last:
             n = os.preadv(self.into, [view[done:]], done)
             if n == 0:
-                raise ValueError("shared data shorter than announced")
+                raise BadFrame("shared data shorter than announced")
             done += n
         if last > SHRINK_PAST:
             os.ftruncate(self.into, 0)  # its pages go back now, not at the next message
@@ -531,7 +560,7 @@ class _Channel:
         self._fill(_LENGTH.size)
         (size,) = _LENGTH.unpack_from(self._unread)
         if not 0 < size <= FRAME_MAX:
-            raise ValueError(f"a frame of {size} bytes")
+            raise BadFrame(f"a frame of {size} bytes, over the {FRAME_MAX} a frame may hold")
         end = _LENGTH.size + size
         self._fill(end)
         frame = bytes(self._unread[_LENGTH.size : end])

@@ -4,12 +4,14 @@ State: bytes held per peer (the unit of every per-peer limit: the transport's `o
 sender, on IPFS the Kubo node whose key signs its messages) and their sum.
 
 Policy: whatever a peer makes a worker's network process hold (its requests waiting to run
-and their records, transfers no run of the receiving session named, block payloads being
-fetched, and whatever else a caller charges) is charged to that peer before it is kept, and
-released when it goes. A charge is granted only if the peer stays within its share,
-`cap // shares` (`Limits.peer_shares`; under the default cap, at least one largest message:
-`MemoryBudget.of`), and the total within `cap`; else nothing is charged,
-and the caller refuses what it would have kept (`refusal` says which limit, and what to do).
+and their records, replies waiting to be sent (worker/outbox.py), transfers no run of the
+receiving session named, block payloads being fetched, and whatever else a caller charges)
+is charged to that peer before it is kept, and released when it goes. A charge is granted
+only if the peer stays within its share, `cap // shares` (`Limits.peer_shares`; under the
+default cap, at least one largest message: `MemoryBudget.of`; a caller may let a charge go
+a stated number of bytes past it, `beyond`), and the total within `cap`; else nothing is
+charged, and the caller refuses what it would have kept (`refusal` says which limit, and
+what to do).
 A fixed share, not first come: however much fewer than `shares` peers send, every other
 peer keeps its share.
 
@@ -94,12 +96,13 @@ class MemoryBudget:
             )  # fmt: skip
         return budget
 
-    def charge(self, peer: str, nbytes: int, within: int | None = None) -> bool:
-        """Charge `peer` `nbytes` more; False, and nothing charged, past its share, the cap,
-        or `within` bytes held by the peer in all (a caller's own limit)."""
+    def charge(self, peer: str, nbytes: int, within: int | None = None, beyond: int = 0) -> bool:
+        """Charge `peer` `nbytes` more; False, and nothing charged, past its share (and
+        `beyond` bytes more: room a caller keeps for what tells the peer it is past it),
+        the cap, or `within` bytes held by the peer in all (a caller's own limit)."""
         with self._lock:
             held = self._held.get(peer, 0) + nbytes
-            if within is not None and held > within or not self._fits(peer, nbytes):
+            if within is not None and held > within or not self._fits(peer, nbytes, beyond):
                 return False
             self._held[peer] = held
             self._total += nbytes
@@ -110,11 +113,11 @@ class MemoryBudget:
         with self._lock:
             return self._fits(peer, nbytes)
 
-    def _fits(self, peer: str, nbytes: int) -> bool:
+    def _fits(self, peer: str, nbytes: int, beyond: int = 0) -> bool:
         if self.cap is None:
             return True
         held = self._held.get(peer, 0) + nbytes
-        return held <= self.share and self._total + nbytes <= self.cap
+        return held <= self.share + beyond and self._total + nbytes <= self.cap
 
     def release(self, peer: str, nbytes: int) -> None:
         """Stop charging `peer` for `nbytes` it was charged."""

@@ -5,9 +5,8 @@ every message is hostile until checked, and nothing one client sends may read or
 another client's data, crash the worker, or stall other clients. State: `sessions`, client
 key (sender identity/session id) -> Session (session.py); `ended` and `left`, why sessions
 ended (by the worker; by their client's bye); token buckets per peer for requests and for
-refusals; `stray`, per sending peer, the bytes of its transfers kept for sessions whose runs
-never named it; the serving threads; one outbox and its sender thread. A peer, for every
-per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node).
+refusals; the serving threads; one outbox and its sender thread (outbox.py). A peer, for
+every per-peer limit, is the transport's `owner` of the sender (on IPFS the Kubo node).
 
 Policy:
 - the transport's thread only opens (safety/intake.py: size, its peer's rate of header
@@ -21,7 +20,8 @@ Policy:
   are logged a bounded number of times (safety/droplog.py);
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
   request rate and its refusals' rate, its share of the network process's memory (`budget`,
-  safety/budget.py: what waits in queues, records, transfers) and of the executor places
+  safety/budget.py: what waits in queues and in the outbox, records, transfers) and of the
+  executor places
   (shares.py); a session by its memory (queued requests included) and time limits; an
   ended session's requests are refused as `session-ended`;
 - replies go only to the sender's own topic for its session; transfers only between the
@@ -33,7 +33,6 @@ Policy:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from gridgraph.exec.safety.limits import (
     format_size,
 )
 from gridgraph.exec.transport import Transport
+from gridgraph.exec.worker.outbox import Outbox
 from gridgraph.exec.worker.run import (
     RESEND_AFTER,
     Isolation,
@@ -145,13 +145,10 @@ class Worker:
         self._refusals = RateLimiter(self.limits.requests_per_second, self.limits.request_burst)
         self._drops = DropLog(log)
         self._intake = Intake(name, self.limits, self._drops)  # (size, header rate, decode)
-        # Publications decided on the transport's thread go out from this one thread:
-        # (topic, payload, the identity it is for or None for the topic's own).
-        self._outbox: queue.Queue = queue.Queue()
+        # Publications decided on the transport's thread go out from one thread of its own.
+        self._outbox = Outbox(name, transport, self.budget, self._drops)
         self._closed = False
         self._serving: set[threading.Thread] = set()  # session threads started (under _lock)
-        self._sender = threading.Thread(target=self._send_loop, name=f"{name}-out", daemon=True)
-        self._sender.start()
         transport.subscribe(worker_topic(name), self.on_message)
 
     # --- receiving (the transport's thread: check, enqueue, never block) -------------------
@@ -218,25 +215,24 @@ class Worker:
         if len(session_id) > MAX_SESSION_ID:
             if self._refusals.allow(owner):
                 error = f"a session id has at most {MAX_SESSION_ID} characters"
-                self._refuse(reply_to, rid, RequestError(error))
+                self._refuse(owner, reply_to, rid, RequestError(error))
             return
         try:
             session = self._session(key, owner, create=msg["kind"] != "bye")
         except (RequestError, LimitExceeded) as e:
             if self._refusals.allow(owner):
-                self._refuse(reply_to, rid, e)
+                self._refuse(owner, reply_to, rid, e)
             return
         if session is None:  # a bye for a session that is gone: nothing left to free
             if self._rate.allow(owner):  # answered within the peer's rate, as any request
-                self._outbox.put(
-                    (reply_to, encode_reply(self.name, rid, {"ok": True, "freed": 0}), None)
-                )
+                bye = encode_reply(self.name, rid, {"ok": True, "freed": 0})
+                self._outbox.put(owner, reply_to, bye)
             elif self._refusals.allow(owner):
-                self._refuse(reply_to, rid, self._over_rate())
+                self._refuse(owner, reply_to, rid, self._over_rate())
             return
         with session.cv:
             if session.closed:  # ended by its bye, its lease or an eviction meanwhile
-                self._refuse(reply_to, rid, ENDED_BEFORE_RUN)
+                self._refuse(owner, reply_to, rid, ENDED_BEFORE_RUN)
                 return
             session.last_seen = arrived  # seen now, not when served: a queued request keeps
             rec = session.records.get(rid)  # the lease
@@ -256,15 +252,14 @@ class Worker:
                     # Answered again only within the peer's rate (a reply can be large, and
                     # the sender thread is everyone's); unanswered, the client asks again.
                     return
-                if lost:
+                if lost and self._outbox.put(owner, reply_to, rec.reply, kept=True):
                     rec.resent, rec.sent_at = rec.resent + 1, arrived
-                    self._outbox.put((reply_to, rec.reply, None))
                 elif forgotten:
                     error = RequestError(
                         f"request already served; its reply is no longer kept here: {why}",
                         ALREADY_SERVED,
                     )
-                    self._refuse(reply_to, rid, error)
+                    self._refuse(owner, reply_to, rid, error)
                 return
             cap = self.limits.max_client_memory  # (what waits is held here, executor or not)
             if not self._rate.allow(owner):
@@ -285,12 +280,13 @@ class Worker:
             held = RECORD_BYTES + (len(payload) + QUEUED_BYTES if error is None else 0)
             if not self.budget.charge(owner, held):  # kept here: the peer's memory budget
                 if self._refusals.allow(owner):  # (unrecorded: a resend is judged afresh)
-                    self._refuse(reply_to, rid, self.budget.refusal(owner, held, "this request"))
+                    refusal = self.budget.refusal(owner, held, "this request")
+                    self._refuse(owner, reply_to, rid, refusal)
                 return
             session.record(rid)  # a refusal is an answer too: recorded like one
             if error is not None:
-                log.warning("%s: refused a %.40r request from %s: %s", self.name, msg["kind"], key,
-                            error)  # fmt: skip
+                self._drops.warning(owner, "%s: refused a %.40r request from %s: %s", self.name,
+                                    msg["kind"], key, error)  # fmt: skip
                 self._reply(session, rid, self._error_reply(rid, error), queued=True)
                 return
             # One that arrives while another waits or runs is kept as received, decoded when
@@ -490,20 +486,11 @@ class Worker:
         # large, the sender thread is everyone's, and a client may name itself as the
         # identity it went to (2,000 asks for one 64 MiB transfer would publish 128 GB).
         if kept is not None and kept[0] == sender and kept[2] < RESENDS:
-            if self._rate.allow(self.transport.owner(sender)):
+            owner = self.transport.owner(sender)
+            if self._rate.allow(owner) and self._outbox.put(
+                owner, worker_topic(key[2]), kept[1], kept[0], kept=True
+            ):
                 kept[2] += 1
-                self._outbox.put((worker_topic(key[2]), kept[1], kept[0]))
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            topic, payload, to = item
-            try:
-                self.transport.publish(topic, payload, False, to)  # ipfs: a recovery
-            except Exception as e:
-                log.warning("%s: could not send to %s: %s", self.name, topic, e)
 
     # --- serving (one thread per busy session) ---------------------------------------------
 
@@ -632,8 +619,8 @@ class Worker:
             rec = session.records.get(rid)
             if rec is not None:
                 session.replied(rec, reply)
-        if queued:
-            self._outbox.put((session.reply_topic, reply, None))
+        if queued:  # (a refusal, kept on its record: a resend gets it, if shed here)
+            self._outbox.put(session.peer, session.reply_topic, reply, refusal=True)
         else:
             self._publish(session, session.reply_topic, reply, counted)
         if rec is not None:
@@ -652,10 +639,12 @@ class Worker:
     def _error_reply(self, rid: str, error: Exception) -> bytes:
         return encode_reply(self.name, rid, error_body(self.name, error))
 
-    def _refuse(self, reply_to: str, rid: str, error: Exception) -> None:
-        """An error reply decided on the transport's thread (nothing recorded, nothing run)."""
-        log.warning("%s: refused request %s: %s", self.name, rid, error)
-        self._outbox.put((reply_to, self._error_reply(rid, error), None))
+    def _refuse(self, peer: str, reply_to: str, rid: str, error: Exception) -> None:
+        """An error reply decided on the transport's thread (nothing recorded, nothing run),
+        sent within `peer`'s share of what waits in the outbox (else shed: a resend of the
+        request is judged afresh)."""
+        self._drops.warning(peer, "%s: refused a request of %s: %s", self.name, peer, error)
+        self._outbox.put(peer, reply_to, self._error_reply(rid, error), refusal=True)
 
     def _publish(
         self, session: Session, topic: str, payload: bytes, counted: bool, to: str | None = None
@@ -682,7 +671,7 @@ class Worker:
         n = session.close()
         for msg, _, payload in waiting:
             msg = msg or wire.decode(payload)  # (checked when it arrived)
-            self._refuse(session.reply_topic, msg["id"], ENDED_BEFORE_RUN)
+            self._refuse(session.peer, session.reply_topic, msg["id"], ENDED_BEFORE_RUN)
         log.info("%s: client %s left", self.name, session.key)
         return n
 
@@ -773,12 +762,12 @@ class Worker:
         been dropped)."""
         resend = {"kind": "resend", "client": session.key, "run": run, "value": vid,
                   "dst": self.name}  # fmt: skip
-        self._outbox.put((worker_topic(src), wire.encode(resend), peer))
+        self._outbox.put(session.peer, worker_topic(src), wire.encode(resend), peer)
 
     def close(self) -> None:
         self._closed = True
         self.transport.close()
-        self._outbox.put(None)
+        self._outbox.close()
         with self._lock:
             sessions = list(self.sessions.values())
             self.sessions.clear()
@@ -789,7 +778,7 @@ class Worker:
         deadline = time.monotonic() + CLOSE_WAIT
         with self._lock:
             serving = list(self._serving)
-        for thread in [self._sender, *serving]:
+        for thread in [self._outbox.thread, *serving]:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 

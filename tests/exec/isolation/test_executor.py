@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+import tracemalloc
 
 import msgpack
 import pytest
@@ -348,7 +349,7 @@ def test_frames_arrive_whole_and_in_order_however_the_pipe_cuts_them():
         ((0).to_bytes(4, "big"), ValueError),
         ((executor.FRAME_MAX + 1).to_bytes(4, "big"), ValueError),  # read no further
         ((2**32 - 1).to_bytes(4, "big"), ValueError),
-        ((3).to_bytes(4, "big") + b"\xc1\xc1\xc1", msgpack.UnpackException),
+        ((3).to_bytes(4, "big") + b"\xc1\xc1\xc1", ValueError),
     ],
     ids=["cut-short", "empty", "over-frame-max", "largest-length", "not-msgpack"],
 )
@@ -462,3 +463,81 @@ def test_an_executor_that_sends_part_of_a_frame_is_killed_at_the_time_limit():
         thread.join(1 + executor.KILL_GRACE + 20)
         assert not thread.is_alive(), "the network process still waits for the frame's rest"
         assert outcome and "time limit of 1 s" in outcome[0]
+
+
+# --- frames whose decoding would cost the network process -----------------------------------
+
+
+def _costly_frame(shape: str) -> bytes:
+    """A frame that a taken-over executor sends in place of its reply, its msgpack holding
+    an array or map per byte or two, each an allocation to decode: `wide`, within the size
+    frames had before they were capped; the others within FRAME_MAX: `long`, one long array;
+    `tree`, `deep` and `maps`, arrays of at most 7 items (1-100 deep; empty maps)."""
+
+    def tree(leaf: object, depth: int) -> object:  # (7**depth leaves)
+        return leaf if depth == 0 else [tree(leaf, depth - 1)] * 7
+
+    chain: list = []
+    for _ in range(99):
+        chain = [chain]
+    n = executor.FRAME_MAX // 2 - 64
+    frame = {
+        "wide": ["reply", 0, [[]] * ((1 << 20) - 64)],
+        "long": ["reply", 0, [[]] * n],
+        "tree": ["reply", 0, tree([], 5), tree([], 5)],
+        "deep": ["reply", 0, tree(chain, 3), tree(chain, 3)],
+        "maps": ["recv", 1, 1, "w1", "w1", tree({}, 5), tree({}, 5)],
+    }[shape]
+    packed = msgpack.packb(frame)
+    assert len(packed) < executor.FRAME_MAX or shape == "wide"
+    return len(packed).to_bytes(4, "big") + packed
+
+
+def _taken_over_main(conn, name, key, limits, recv_timeout) -> None:  # noqa: ANN001
+    """A real executor (started, confined and sandboxed as any) whose client's program takes
+    it over at its first request (as a kernel bug would let it) and writes a costly frame
+    onto its pipe: the shape its client's identity names (`mallory-SHAPE`; others' executors
+    are left as they are)."""
+    client = key.split("/", 1)[0]
+    if not client.startswith("mallory-"):
+        return executor._executor_main(conn, name, key, limits, recv_timeout)
+    shape = client.removeprefix("mallory-")
+
+    def taken(host, session, msg, size) -> bytes:  # noqa: ANN001
+        frame = _costly_frame(shape)
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(host.channel._fd, view) :]
+        time.sleep(60)  # (the network process kills it)
+        return b""
+
+    executor.answer = taken  # (this process is the executor's: no one else's code changes)
+    executor._executor_main(conn, name, key, limits, recv_timeout)
+
+
+@pytest.mark.parametrize("shape", ["wide", "long", "tree", "deep", "maps"])
+def test_a_costly_frame_from_a_taken_over_executor_ends_it_undecoded(shape, monkeypatch):
+    # Frames from an executor were decoded by plain msgpack: one of ~1M empty lists built
+    # them all (some 70 MB, 0.1-0.3 s holding the network process's GIL) before its shape
+    # was refused. Now its size, then caps on what it holds, are checked first.
+    monkeypatch.setattr(executor, "_executor_main", _taken_over_main)  # (its start's target)
+    with gg.local_grid(1, isolate=True) as grid:
+        mallory = second_client(grid, f"mallory-{shape}")
+        victim = second_client(grid, "victim")
+        a = torch.randn(4)
+        mine = a.send(victim.workers[0])
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            before, _ = tracemalloc.get_traced_memory()
+            with pytest.raises(gg.SessionLost, match="sent a frame the worker refused") as lost:
+                a.send(mallory.workers[0])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert lost.value.worker == "w0"
+        # (what it read: the frame, twice; before, the lists it built: 50-80 MB)
+        assert peak - before < 4 * executor.FRAME_MAX + (1 << 20)
+        assert torch.equal((mine + 0).get(), a), "the worker no longer serves others"
+        mallory.close()
+        victim.close()

@@ -129,3 +129,33 @@ def test_a_factorys_device_does_not_make_its_result_in_the_footprint():
         torch.ops.aten.new_zeros.default, [x, [1 << 20]], {"device": torch.device("cpu")}
     )
     assert result.is_meta and sum(made.values()) == 4 << 20
+
+
+def test_in_place_variants_are_sampled_too(sweep):
+    # The capture ran OpInfos' functions and their backwards only: 18 allowlisted in-place
+    # ops (cumsum_, scatter_*, index_copy_, triu_, ...) had no sample and were never swept.
+    found = sweep.capture({"aten::cumsum_", "aten::index_copy_"}, 1, "^(cumsum|index_copy)$")
+    assert set(found) == {"aten::cumsum_", "aten::index_copy_"}
+    (sample,) = found["aten::index_copy_"]
+    assert any(c.argument == "index" for c in sweep.cases(sample))
+
+
+def test_kernels_taken_only_without_autograd_are_sampled_too(sweep):
+    # embedding_bag takes _embedding_bag_forward_only when its weight needs no gradient: the
+    # capture ran every float sample with autograd, and never reached it.
+    found = sweep.capture({"aten::_embedding_bag_forward_only"}, 1, "^nn.functional.embedding_bag$")
+    assert set(found) == {"aten::_embedding_bag_forward_only"}
+
+
+def test_an_in_place_layout_refused_before_it_changes_is_a_refusal(sweep):
+    # as_strided_ checks its layout before it changes its tensor (ops._as_strided_): the
+    # sweep counted that check's ViewOutOfBounds as a result outside its storage, a finding.
+    # Plain torch makes the view, whose elements lie past its storage.
+    x = torch.arange(4.0)
+    case = sweep.Case("aten::as_strided_", "storage_offset", str(2**63 - 1),
+                      [x, [1], [1], 2**63 - 1], {})  # fmt: skip
+    outcome = sweep.run_case(case)
+    assert outcome.verdict == "refused" and outcome.worker["refused"] == "layout"
+    assert "plain torch returns a view outside its storage" in outcome.detail
+    honest = sweep.Case("aten::as_strided_", "storage_offset", "1", [x, [2], [1], 1], {})
+    assert sweep.run_case(honest).verdict == "ran, equal"

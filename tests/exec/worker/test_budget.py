@@ -88,6 +88,9 @@ def test_a_budget_grants_each_peer_its_share_and_never_more_than_the_cap():
     assert budget.held("a") == 0 and budget.held() == 122 and budget.peers() == 4
     budget.release("b", 1000)  # more than it holds: never below zero
     assert budget.held() == 90 and budget.held("b") == 0
+    assert not budget.charge("c", 5) and budget.charge("c", 5, beyond=5)  # (past its share)
+    assert not budget.charge("c", 1, beyond=5) and budget.held("c") == 45
+    assert not budget.charge("f", 70, beyond=1000)  # never past the cap
     unlimited = MemoryBudget(None)
     assert unlimited.charge("a", 1 << 60) and unlimited.fits("a", 1 << 60)
     with pytest.raises(ValueError, match="positive"):
