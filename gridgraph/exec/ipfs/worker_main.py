@@ -14,6 +14,7 @@ the identities of the workers it sends to and receives from (worker.py).
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -140,6 +141,9 @@ def _serve_as_worker(
         if warm.is_alive():  # (a machine this busy: better slow than unheard)
             log.warning("%s: executors not ready after %g s; announcing anyway", name, READY_WAIT)
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
+    # What is loaded by now (torch, its modules) stays for the process's life: out of the
+    # collector's sight, it costs no time in collections, nor in the collection at exit.
+    gc.freeze()
     failing = False
     load = _Load(worker)
     largest = min(largest_payload(transport.max_payload), limits.max_message_bytes)
