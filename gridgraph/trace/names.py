@@ -19,6 +19,11 @@ calls on one line; the file's syntax tree then says what the call's result is as
   `features.send(w0)` gives `features.0.weight`, `model[2].send(w1)` `model[2].weight`,
   so that two models sent apart never share a name.
 
+Optimizer state on workers (a momentum buffer, Adam's averages) is called by its parameter's
+name and its key in the optimizer's state (`model.0.weight.momentum_buffer`): a hook after
+every optimizer step (`torch.optim`'s global step hook, registered when this module is
+imported) names what is not named yet; an optimizer of local tensors is left at once.
+
 Anything else has no name here, and is called by the op and line that made it.
 """
 
@@ -31,6 +36,10 @@ import sys
 from types import FrameType
 from typing import Any
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gridgraph.trace.pointer import RemoteTensor
 from gridgraph.trace.record import in_library
 
 _MAX_NAME = 80  # longer assignment targets are not names anyone reads
@@ -202,3 +211,24 @@ def module_prefix() -> str:
         for n in ast.walk(sent)
     )
     return ast.unparse(sent) if plain else ""
+
+
+def name_optimizer_state(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    """Call the state an optimizer keeps on workers by its parameter's name and its key
+    (`model.0.weight.momentum_buffer`, `fc.bias.exp_avg`), where it has no name yet."""
+    if not isinstance(next(iter(optimizer.state), None), RemoteTensor):
+        return  # an optimizer of local tensors (its parameters all go one way)
+    for param, state in list(optimizer.state.items()):
+        if not isinstance(param, RemoteTensor):
+            continue
+        graph = param._owner.graph
+        name = graph.user_name(param._vid)
+        if name is None:
+            continue
+        for key, value in state.items():
+            same_grid = isinstance(value, RemoteTensor) and value._owner is param._owner
+            if same_grid and graph.user_name(value._vid) is None:
+                graph.name(value._vid, f"{name}.{key}")
+
+
+register_optimizer_step_post_hook(name_optimizer_state)

@@ -170,3 +170,27 @@ def test_a_send_split_over_several_lines_is_called_by_the_name_assigned(local_gr
     assert graph.user_name(decoder.weight._vid) == "decoder.weight"
     assert graph.user_name(encoder.bias._vid) == "encoder.bias"
     assert graph.user_name(head.weight._vid) == "head.weight"
+
+
+def test_optimizer_state_is_called_by_its_parameter_and_its_key(local_grid):
+    w0, w1, _ = local_grid.workers
+    graph = local_grid.client.graph
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    head = torch.nn.Linear(2, 1)
+    model.send(w0)
+    head.send(w1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(head.parameters())
+    local = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        with gg.trace():
+            model(torch.randn(5, 3).send(w0)).sum().backward()
+            head(torch.randn(5, 2).send(w1)).sum().backward()
+            sgd.step()
+            adam.step()
+    assert {graph.user_name(s["momentum_buffer"]._vid) for s in sgd.state.values()} == {
+        f"model.{name}.momentum_buffer" for name, _ in model.named_parameters()
+    }
+    assert graph.user_name(adam.state[head.bias]["exp_avg_sq"]._vid) == "head.bias.exp_avg_sq"
+    assert "model.2.weight.momentum_buffer" in gg.explain(list(model.parameters()))
+    local.step()  # (an optimizer of local tensors: left alone)
