@@ -189,7 +189,8 @@ def _wait_for_apis(
     nodes: list[NodeInfo], procs: list[subprocess.Popen], timeout: float,
     on_ready: Callable[[NodeInfo], None] | None,
 ) -> None:  # fmt: skip
-    """Wait until every node's API answers, calling `on_ready(node)` for each as it does."""
+    """Wait until every node's API answers as that node (not as another daemon that took
+    its port meanwhile), calling `on_ready(node)` for each as it does."""
     waiting = {node.index: (node, proc) for node, proc in zip(nodes, procs, strict=True)}
     deadline = time.monotonic() + timeout
     while waiting:
@@ -200,9 +201,14 @@ def _wait_for_apis(
                     f"ipfs daemon for {node.repo} exited ({proc.returncode}):\n{log}"
                 )
             try:
-                Kubo(node.api, timeout=2.0).id()
+                answered = Kubo(node.api, timeout=2.0).id()
             except KuboError:
                 continue
+            if answered != node.peer_id:  # a port picked free was taken meanwhile
+                raise RuntimeError(
+                    f"{node.api} answers as peer {answered}, not as the daemon started in "
+                    f"{node.repo} ({node.peer_id}): another process took the port; start again"
+                )
             del waiting[index]
             if on_ready is not None:
                 on_ready(node)

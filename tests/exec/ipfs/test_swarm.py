@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from gridgraph.exec.ipfs import swarm
 from gridgraph.exec.ipfs.kubo import Kubo
 from gridgraph.exec.ipfs.swarm import find_ipfs_binary, start_nodes, stop_nodes
 
@@ -51,3 +52,17 @@ def test_a_worker_once_up_keeps_what_it_loaded_out_of_the_collectors_sight(kubo_
         timeout=120, check=True,
     )  # fmt: skip
     assert int(out.stdout) > 100_000  # torch's modules and functions, not a handful
+
+
+def test_a_node_whose_api_port_another_daemon_took_is_not_handed_on(kubo_nodes, tmp_path):
+    # The ports are picked free, then bound by the daemon: another swarm starting at the same
+    # time may take one in between. Its daemon must not be taken for ours (a worker started
+    # on it would join that other swarm).
+    taken = int(kubo_nodes[0].api.rsplit("/", 1)[1])
+    handed_on, free_ports = [], swarm._free_ports
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(swarm, "_free_ports", lambda count: [taken, *free_ports(count)[1:]])
+        with pytest.raises(RuntimeError, match=f"{kubo_nodes[0].peer_id}|exited"):
+            start_nodes(1, tmp_path, on_ready=handed_on.append)
+    assert handed_on == []
+    assert Kubo(kubo_nodes[0].api).id() == kubo_nodes[0].peer_id  # the other one runs on
