@@ -5,8 +5,6 @@ PyTorch's meta kernels and decompositions). The forkserver does both here, once;
 executor forked from it then starts in tens of milliseconds (see executor.py).
 """
 
-import gc
-
 import torch
 
 import gridgraph.exec.isolation.executor  # noqa: F401  (the executor's own code)
@@ -15,7 +13,3 @@ from gridgraph.exec.safety.limits import op_footprint
 _meta = torch.empty(2, 2, device="meta")
 op_footprint(torch.ops.aten.mm.default, [_meta, _meta], {})
 op_footprint(torch.ops.aten.add.Tensor, [_meta, 1], {})
-
-# Every executor forks from here and keeps all this: out of the collector's sight, it is not
-# traversed (nor its pages copied) by each executor's collections.
-gc.freeze()
