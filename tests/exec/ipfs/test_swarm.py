@@ -66,3 +66,28 @@ def test_a_node_whose_api_port_another_daemon_took_is_not_handed_on(kubo_nodes, 
             start_nodes(1, tmp_path, on_ready=handed_on.append)
     assert handed_on == []
     assert Kubo(kubo_nodes[0].api).id() == kubo_nodes[0].peer_id  # the other one runs on
+
+
+def test_a_worker_sent_a_second_sigterm_while_it_handles_the_first_still_stops(kubo_nodes):
+    # local_swarm and stop_worker each send a SIGTERM: the second may come while the first is
+    # being handled. Here it comes at the worst moment: inside `stop.set()`, its lock held.
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "from gridgraph.exec.ipfs.worker_main import run_worker\n"
+        "class Twice(threading.Event):\n"
+        "    def set(self):\n"
+        "        with self._cond:\n"
+        "            if not getattr(self, 'again', False):\n"
+        "                self.again = True\n"
+        "                os.kill(os.getpid(), signal.SIGTERM)\n"
+        "                time.sleep(0.5)  # (the main thread handles it meanwhile)\n"
+        "            self._flag = True\n"
+        "            self._cond.notify_all()\n"
+        "threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "sys.exit(run_worker(sys.argv[1], 'twice', stop=Twice(), isolate=False, heartbeat=0.1))\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code, kubo_nodes[0].api])
+    try:
+        assert worker.wait(timeout=120) == 0  # before: the second handler waited for ever
+    finally:
+        worker.kill()
