@@ -11,6 +11,10 @@ Policy:
 - The nodes know each other through `Peering.Peers` (so they reconnect if a connection drops)
   and are dialed explicitly once up (so callers need not wait for peering's first tick).
 - Pubsub is enabled in config (`Pubsub.Enabled`), the non-deprecated way.
+- The repos are made and the daemons started all at once; a node is up when its API answers
+  with its own peer ID (a port picked free may be taken by another daemon before ours binds
+  it: then the start fails, naming that peer). `local_swarm` starts each worker as soon as
+  its own node is up.
 - `stop_nodes` kills only the pids recorded under `root`, and only if they still are
   `ipfs daemon` processes.
 
