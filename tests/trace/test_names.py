@@ -19,10 +19,13 @@ def test_a_sent_tensor_is_called_by_the_name_the_line_assigns(local_grid):
     x = torch.randn(4, 3).send(w0)
     batch = gg.send(torch.randn(4, 3), w0)
     data = torch.randn(2)
-    a, b = data.send(w0), torch.ones(2).send(w0)  # two sends on one line: no guessing
+    plain = data.send(w0)  # noqa: F841  (a send the line assigns: the name assigned)
+    kept = [data.send(w0)]  # noqa: F841  (a send inside a list the line assigns)
+    ones = torch.ones(2).send(w0) * 1  # the product is `ones`, not the tensor sent
     assert graph.label(x._vid) == "x" and graph.label(batch._vid) == "batch"
-    assert graph.label(a._vid) == "data"  # the local variable bound to the tensor sent
-    assert graph.user_name(b._vid) is None and graph.label(b._vid).startswith("%")
+    named = {graph.user_name(v) for v in graph.values}
+    assert named >= {"plain", "data"}, named  # `data`: the local variable bound to it
+    assert graph.user_name(ones._vid) is None and "ones" not in named
 
 
 def test_parameters_are_called_by_their_names_in_the_module_and_keep_them(local_grid):
@@ -103,7 +106,88 @@ def test_a_send_inside_a_larger_expression_is_not_called_by_what_the_line_assign
     w0 = local_grid.workers[0]
     graph = local_grid.client.graph
     doubled = torch.mul(torch.ones(3).send(w0), 2)  # `doubled` is the product, not the input
-    sent = [t.send(w0) for t in [torch.zeros(2)]]  # `sent` is the list
+    sent = [t.send(w0) for t in [torch.zeros(2)]]  # `sent` is the list: its items are sent
     names = {graph.user_name(v) for v in graph.values}
     assert "doubled" not in names and "sent" not in names, names
-    assert graph.label(sent[0]._vid) != "sent" and graph.user_name(doubled._vid) is None
+    assert graph.user_name(sent[0]._vid) == "sent[...]"  # (the list it loops over has no name)
+    assert graph.user_name(doubled._vid) is None
+
+
+def _is_what_the_user_wrote(graph, pointer, scope) -> bool:
+    """Whether the name a pointer is called by is an expression for that very pointer."""
+    name = graph.user_name(pointer._vid)
+    return name is not None and eval(name, {}, scope) is pointer
+
+
+def test_two_sends_on_one_line_are_each_called_by_the_name_assigned(local_grid):
+    w0, w1, _ = local_grid.workers
+    graph = local_grid.client.graph
+    data = torch.randn(2)
+    a, b = data.send(w0), torch.ones(2).send(w1)
+    c = gg.send(torch.ones(1), w0); d = torch.zeros(1).send(w1)  # fmt: skip  # noqa: E702
+    assert [graph.user_name(p._vid) for p in (a, b, c, d)] == ["a", "b", "c", "d"]
+    scope = locals()
+    assert all(_is_what_the_user_wrote(graph, p, scope) for p in (a, b, c, d))
+
+
+def test_sends_in_a_list_comprehension_are_called_by_their_place_in_the_list(local_grid):
+    workers = local_grid.workers
+    graph = local_grid.client.graph
+    ts = [torch.randn(2) for _ in range(3)]
+    xs = [t.send(workers[0]) for t in ts]
+    ys = [t.send(w) for t, w in zip(ts, workers)]
+    zs = [ts[i].send(workers[1]) for i in range(3)]
+    es = [t.send(workers[2]) for i, t in enumerate(ts)]
+    scope = locals()
+    for pointers in (xs, ys, zs, es):
+        assert all(_is_what_the_user_wrote(graph, p, scope) for p in pointers), [
+            graph.user_name(p._vid) for p in pointers
+        ]
+    # where the place cannot be known (a filter: it is not the place in `ts`), the list's name
+    kept = [t.send(workers[0]) for t in ts if t.sum() > -100]
+    assert {graph.user_name(p._vid) for p in kept} == {"kept[...]"}
+
+
+def test_a_send_split_over_several_lines_is_called_by_the_name_assigned(local_grid):
+    w0, w1, _ = local_grid.workers
+    graph = local_grid.client.graph
+    weights = torch.zeros(
+        3,
+        4,
+    ).send(
+        w0,
+    )
+    encoder, decoder, head = torch.nn.Linear(3, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)
+    gg.send(
+        encoder,
+        w1,
+    )
+    decoder.send(w0); head.send(w1)  # fmt: skip  # noqa: E702  (two modules on one line)
+    assert graph.user_name(weights._vid) == "weights"
+    assert graph.user_name(decoder.weight._vid) == "decoder.weight"
+    assert graph.user_name(encoder.bias._vid) == "encoder.bias"
+    assert graph.user_name(head.weight._vid) == "head.weight"
+
+
+def test_optimizer_state_is_called_by_its_parameter_and_its_key(local_grid):
+    w0, w1, _ = local_grid.workers
+    graph = local_grid.client.graph
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    head = torch.nn.Linear(2, 1)
+    model.send(w0)
+    head.send(w1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adam = torch.optim.Adam(head.parameters())
+    local = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        with gg.trace():
+            model(torch.randn(5, 3).send(w0)).sum().backward()
+            head(torch.randn(5, 2).send(w1)).sum().backward()
+            sgd.step()
+            adam.step()
+    assert {graph.user_name(s["momentum_buffer"]._vid) for s in sgd.state.values()} == {
+        f"model.{name}.momentum_buffer" for name, _ in model.named_parameters()
+    }
+    assert graph.user_name(adam.state[head.bias]["exp_avg_sq"]._vid) == "head.bias.exp_avg_sq"
+    assert "model.2.weight.momentum_buffer" in gg.explain(list(model.parameters()))
+    local.step()  # (an optimizer of local tensors: left alone)

@@ -11,6 +11,10 @@ Policy:
 - The nodes know each other through `Peering.Peers` (so they reconnect if a connection drops)
   and are dialed explicitly once up (so callers need not wait for peering's first tick).
 - Pubsub is enabled in config (`Pubsub.Enabled`), the non-deprecated way.
+- The repos are made and the daemons started all at once; a node is up when its API answers
+  with its own peer ID (a port picked free may be taken by another daemon before ours binds
+  it: then the start fails, naming that peer). `local_swarm` starts each worker as soon as
+  its own node is up.
 - `stop_nodes` kills only the pids recorded under `root`, and only if they still are
   `ipfs daemon` processes.
 
@@ -32,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -131,18 +135,29 @@ def _daemon_env(repo: Path) -> dict[str, str]:
     return {**os.environ, "IPFS_PATH": str(repo), "IPFS_TELEMETRY": "off"}
 
 
-def _init_repo(binary: Path, repo: Path) -> None:
-    if (repo / "config").exists():
-        return
-    repo.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [str(binary), "init", "--profile", "test", "--empty-repo"],
-        env=_daemon_env(repo),
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"ipfs init in {repo} failed: {result.stderr.strip()}")
+def _init_repos(binary: Path, repos: list[Path]) -> None:
+    """`ipfs init` in each repo that has no config yet, all at once."""
+    started = []
+    for repo in repos:
+        if (repo / "config").exists():
+            continue
+        repo.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            [str(binary), "init", "--profile", "test", "--empty-repo"],
+            env=_daemon_env(repo),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        started.append((repo, proc))
+    failed = []
+    for repo, proc in started:
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            failed.append(f"ipfs init in {repo} failed: {err.strip()}")
+    if failed:
+        raise RuntimeError("; ".join(failed))
 
 
 def _is_ipfs_daemon(pid: int) -> bool:
@@ -171,23 +186,45 @@ def stat_fields(pid: int | str) -> list[str] | None:
     return stat[stat.rfind(")") + 2 :].split()  # (the name may hold spaces and parentheses)
 
 
-def _wait_for_api(node: NodeInfo, proc: subprocess.Popen, timeout: float) -> None:
-    kubo = Kubo(node.api, timeout=2.0)
+API_POLL = 0.02  # seconds between two looks at a starting daemon's API
+
+
+def _wait_for_apis(
+    nodes: list[NodeInfo], procs: list[subprocess.Popen], timeout: float,
+    on_ready: Callable[[NodeInfo], None] | None,
+) -> None:  # fmt: skip
+    """Wait until every node's API answers as that node (not as another daemon that took
+    its port meanwhile), calling `on_ready(node)` for each as it does."""
+    waiting = {node.index: (node, proc) for node, proc in zip(nodes, procs, strict=True)}
     deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            log = (Path(node.repo) / "daemon.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"ipfs daemon for {node.repo} exited ({proc.returncode}):\n{log}")
-        try:
-            kubo.id()
-            return
-        except KuboError:
-            if time.monotonic() > deadline:
+    while waiting:
+        for index, (node, proc) in list(waiting.items()):
+            if proc.poll() is not None:
+                log = (Path(node.repo) / "daemon.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(
-                    f"ipfs daemon for {node.repo} did not answer on {node.api} in {timeout}s; "
-                    f"see {node.repo}/daemon.log"
-                ) from None
-            time.sleep(0.1)
+                    f"ipfs daemon for {node.repo} exited ({proc.returncode}):\n{log}"
+                )
+            try:
+                answered = Kubo(node.api, timeout=2.0).id()
+            except KuboError:
+                continue
+            if answered != node.peer_id:  # a port picked free was taken meanwhile
+                raise RuntimeError(
+                    f"{node.api} answers as peer {answered}, not as the daemon started in "
+                    f"{node.repo} ({node.peer_id}): another process took the port; start again"
+                )
+            del waiting[index]
+            if on_ready is not None:
+                on_ready(node)
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            node = next(iter(waiting.values()))[0]
+            raise RuntimeError(
+                f"ipfs daemon for {node.repo} did not answer on {node.api} in {timeout}s; "
+                f"see {node.repo}/daemon.log"
+            )
+        time.sleep(API_POLL)
 
 
 def _read_nodes(root: Path) -> list[NodeInfo]:
@@ -197,11 +234,17 @@ def _read_nodes(root: Path) -> list[NodeInfo]:
     return [NodeInfo(**entry) for entry in json.loads(path.read_text())]
 
 
-def start_nodes(n: int, root: Path, timeout: float = 60.0) -> list[NodeInfo]:
+def start_nodes(
+    n: int, root: Path, timeout: float = 60.0,
+    on_ready: Callable[[NodeInfo], None] | None = None,
+) -> list[NodeInfo]:  # fmt: skip
     """Start `n` connected Kubo daemons with repos under `root`; return how to reach them.
 
     If `root` already runs exactly `n` live nodes, they are returned as they are; any other
-    leftover daemons under `root` are stopped first and their repos reused.
+    leftover daemons under `root` are stopped first and their repos reused. The repos are
+    made and the daemons started all at once; `on_ready(node)` is called for each node as
+    soon as its API answers (before the nodes are connected to each other), and for each
+    node of a swarm already running.
 
     Example:
         nodes = start_nodes(2, Path("/tmp/swarm"))
@@ -210,6 +253,8 @@ def start_nodes(n: int, root: Path, timeout: float = 60.0) -> list[NodeInfo]:
     root = Path(root).resolve()
     existing = _read_nodes(root)
     if len(existing) == n and all(_is_ipfs_daemon(node.pid) for node in existing):
+        for node in existing if on_ready is not None else ():
+            on_ready(node)
         return existing
     stop_nodes(root)
 
@@ -217,9 +262,9 @@ def start_nodes(n: int, root: Path, timeout: float = 60.0) -> list[NodeInfo]:
     root.mkdir(parents=True, exist_ok=True)
     ports = _free_ports(3 * n)
     repos = [root / f"node{i}" for i in range(n)]
+    _init_repos(binary, repos)
     configs = []
     for i, repo in enumerate(repos):
-        _init_repo(binary, repo)
         config = json.loads((repo / "config").read_text())
         _loopback_only(config, *ports[3 * i : 3 * i + 3])
         configs.append(config)
@@ -257,8 +302,7 @@ def start_nodes(n: int, root: Path, timeout: float = 60.0) -> list[NodeInfo]:
                     pid=proc.pid,
                 )
             )
-        for node, proc in zip(nodes, procs, strict=True):
-            _wait_for_api(node, proc, timeout)
+        _wait_for_apis(nodes, procs, timeout, on_ready)
         for node in nodes:
             kubo = Kubo(node.api)
             for other in nodes[node.index + 1 :]:
@@ -400,18 +444,22 @@ def stop_worker(proc: subprocess.Popen, grace: float = 10.0) -> None:
 def local_swarm(n: int, root: Path, *, log_level: str = "INFO") -> Iterator[list[str]]:
     """`n` loopback Kubo nodes under `root`, worker w<i> on node i; yields the nodes' APIs.
 
-    Everything started here is stopped on exit (workers by pid, then the daemons).
+    Each worker is started as soon as its own node answers (a worker spends its first
+    seconds importing torch, while the other nodes come up). Everything started here is
+    stopped on exit (workers by pid, then the daemons).
 
     Example:
         with local_swarm(3, Path("/tmp/swarm")) as apis, connect(apis[0], 3) as grid: ...
     """
     root = Path(root)
-    nodes = start_nodes(n, root)
     procs: list[subprocess.Popen] = []
+
+    def start_worker(node: NodeInfo) -> None:
+        log_path = root / f"worker{node.index}.log"
+        procs.append(spawn_worker(node.api, f"w{node.index}", log_path, log_level=log_level))
+
     try:
-        for node in nodes:
-            log_path = root / f"worker{node.index}.log"
-            procs.append(spawn_worker(node.api, f"w{node.index}", log_path, log_level=log_level))
+        nodes = start_nodes(n, root, on_ready=start_worker)
         discover(nodes[0].api, names=[f"w{i}" for i in range(n)], timeout=120, procs=procs)
         yield [node.api for node in nodes]
     finally:

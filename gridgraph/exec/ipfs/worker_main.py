@@ -14,11 +14,14 @@ the identities of the workers it sends to and receives from (worker.py).
 
 from __future__ import annotations
 
+import gc
 import logging
+import os
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from gridgraph.exec import wire
 from gridgraph.exec.ipfs.discovery import (
@@ -83,17 +86,46 @@ def run_worker(
         WorkerTransport, ipfs, deliver_own=True, max_payload=max_payload, allow=allow,
         budget=budget,
     )  # fmt: skip
-    handlers = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            handlers[sig] = signal.signal(sig, lambda *_: stop.set())
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    restore = _stop_on_signals(stop) if on_main_thread else lambda: None
     try:
         return _serve_as_worker(
             transport, ipfs, name, lease, heartbeat, recv_timeout, limits, isolate, stop
         )
     finally:
+        restore()
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stop_on_signals(stop: threading.Event) -> Callable[[], None]:
+    """Have SIGTERM and SIGINT set `stop`; return what undoes it.
+
+    `stop` is set by a thread of our own, woken through the signal wakeup fd; the handlers
+    themselves do nothing. A handler that set it could be run again inside its own
+    `stop.set()`, by a second signal (a SIGTERM sent twice), and wait for ever on the lock
+    that its first run holds."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    previous_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    handlers = {sig: signal.signal(sig, lambda *_: None) for sig in STOP_SIGNALS}
+
+    def watch() -> None:  # until restore closes the pipe
+        with os.fdopen(wake_r, "rb", buffering=0) as wake:
+            while chunk := wake.read(64):
+                if any(number in STOP_SIGNALS for number in chunk):
+                    stop.set()
+
+    threading.Thread(target=watch, name="gridgraph-signals", daemon=True).start()
+
+    def restore() -> None:
+        signal.set_wakeup_fd(previous_fd)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        os.close(wake_w)
+
+    return restore
 
 
 def _serve_as_worker(
@@ -143,6 +175,9 @@ def _serve_as_worker(
         if warm.is_alive():  # (a machine this busy: better slow than unheard)
             log.warning("%s: executors not ready after %g s; announcing anyway", name, READY_WAIT)
     log.info("worker %s up: peer %s via %s, lease %g s", name, transport.identity, ipfs, lease)
+    # What is loaded by now (torch, its modules) stays for the process's life: out of the
+    # collector's sight, it costs no time in collections, nor in the collection at exit.
+    gc.freeze()
     failing = False
     load = _Load(worker)
     largest = min(largest_payload(transport.max_payload), limits.max_message_bytes)
