@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gridgraph as gg
+from gridgraph.exec.protocol import worker_topic
 
 X, Y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)), torch.randn(6, 2)
 
@@ -145,3 +146,24 @@ def test_a_traced_step_names_what_the_lost_worker_held_and_the_rest_stays_readab
         torch.testing.assert_close(x.get(), X)
         with pytest.raises(gg.WorkerLost, match="'w1'"):
             model[0].weight.get()
+
+
+def test_a_transport_error_sending_to_a_lost_worker_is_worker_lost():
+    with gg.local_grid(3) as grid:
+        w1 = grid.workers[1]
+        kept = torch.ones(3).send(w1)
+        stop(grid, "w1")
+        publish = grid.client.transport.publish
+
+        def refusing(topic, payload, counted=True, to=None):
+            if topic == worker_topic("w1"):  # as Kubo's HTTP 500 for a peer gone
+                raise RuntimeError("pubsub/pub: HTTP 500")
+            publish(topic, payload, counted, to)
+
+        grid.client.transport.publish = refusing
+        with pytest.raises(gg.WorkerLost, match="'w1'") as lost:  # before: the RuntimeError
+            torch.zeros(2).send(w1)
+        assert any(v.startswith("kept (3,)") for v in lost.value.values), lost.value.values
+        assert [w.name for w in grid.workers] == ["w0", "w2"]
+        with pytest.raises(gg.WorkerLost, match="'w1'"):
+            kept.get()
