@@ -9,8 +9,9 @@ State: the grid's transport, its discovery `Directory` (`trust`, pinned workers)
   a grid asked for no names in particular (anyone can announce a name); a named one must;
 - a worker that announces itself after `connect` (with `trust`, only one it names) joins the
   grid once it answers a ping, unless `workers=` named the grid's workers; one announced
-  under a name the client pinned by another process (a restart) joins as a new worker,
-  none of the old one's tensors assumed there (exec/client/lost.py);
+  under a name the client pinned by another process of the same node (a restart) joins as
+  a new worker, none of the old one's tensors assumed there (exec/client/lost.py); another
+  peer that takes a pinned name stays out (as an impostor would);
 - each worker is pinged (a `stats` request, which workers leave out of the traffic counts) at
   a third of the lease it announces, at most every MIN_PING_INTERVAL s: an idle grid keeps
   its tensors, and each worker's lease sets its own pings only;

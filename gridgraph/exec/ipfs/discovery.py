@@ -361,9 +361,10 @@ class Directory:
 
     def joiners(self, new_names: bool) -> list[tuple[str, bool]]:
         """Workers alive now that this client has not pinned as they are: (name, fresh), where
-        `fresh` is a pinned name now announced by another process or endpoint (a restart, or
-        a new owner once the old one fell silent); with `new_names`, names never pinned too
-        (fresh False). Only what `trust` lets in was heard at all."""
+        `fresh` is a pinned name now announced by another process of the same node (a
+        restart: another peer that took the name once it fell silent stays out, as an
+        impostor would); with `new_names`, names never pinned too (fresh False). Only what
+        `trust` lets in was heard at all."""
         now = time.monotonic()
         with self._cv:
             found = []
@@ -373,9 +374,10 @@ class Directory:
                 pinned = self._pinned.get(name)
                 if pinned is None and new_names:
                     found.append((name, False))
-                elif pinned is not None and (pinned.identity, pinned.instance) != (
-                    seen.identity,
-                    seen.instance,
+                elif (
+                    pinned is not None
+                    and peer_of(pinned.identity) == peer_of(seen.identity)
+                    and (pinned.identity, pinned.instance) != (seen.identity, seen.instance)
                 ):
                     found.append((name, True))
             return found
