@@ -167,3 +167,24 @@ def test_a_transport_error_sending_to_a_lost_worker_is_worker_lost():
         assert [w.name for w in grid.workers] == ["w0", "w2"]
         with pytest.raises(gg.WorkerLost, match="'w1'"):
             kept.get()
+
+
+def test_a_worker_back_with_its_session_intact_is_used_again_with_its_values():
+    with gg.local_grid(3) as grid:
+        a = torch.arange(3.0)
+        p = a.send(grid.workers[1])
+        bus = grid.local_workers[0].transport._bus
+        handlers = {topic: list(hs) for topic, hs in bus._handlers.items()}
+        silence(grid, "w1")  # a pause (SIGSTOP): silent, its heartbeats stop
+        grid.client.alive = lambda w: w != "w1"
+        with pytest.raises(gg.WorkerLost, match="'w1'"):
+            p.get()
+        assert [w.name for w in grid.workers] == ["w0", "w2"]
+        with bus._lock:  # back (SIGCONT), the same process: its heartbeats come again
+            bus._handlers.update(handlers)
+        grid.client.alive = lambda w: True
+        assert sorted(w.name for w in grid.workers) == ["w0", "w1", "w2"]
+        torch.testing.assert_close(p.get(), a)  # its values were not taken for lost
+        with gg.trace():
+            q = p * 2
+        torch.testing.assert_close(q.get(), a * 2)
