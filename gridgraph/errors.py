@@ -50,13 +50,17 @@ class RemoteError(RuntimeError):
 
 
 class WorkerLost(RuntimeError):
-    """A worker stopped answering; `.worker` names it and `.values` the tensors lost with it."""
+    """A worker stopped answering; `.worker` names it and `.values` the tensors lost with it
+    (by your names: `2.weight (8, 8) torch.float32`): those stored there, or being made
+    there when it was lost. `.hint` says what to do."""
 
-    def __init__(self, worker: str, values: list[str] | None = None) -> None:
+    def __init__(self, worker: str, values: list[str] | None = None, hint: str = "") -> None:
         self.worker = worker
         self.values = values or []
+        self.hint = hint
         lost = f"; lost tensors: {', '.join(self.values)}" if self.values else ""
-        super().__init__(f"worker {worker!r} stopped answering{lost}")
+        todo = f"; {hint}" if hint else ""
+        super().__init__(f"worker {worker!r} stopped answering{lost}{todo}")
 
 
 class SessionLost(RemoteError):

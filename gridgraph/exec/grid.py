@@ -24,6 +24,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gridgraph.errors import GridError, SessionLost, WorkerLost
+from gridgraph.exec.client import lost
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.isolation import executor
 from gridgraph.exec.safety.limits import Limits
@@ -68,10 +69,17 @@ class Grid:
         local_workers: list[Worker] = (),
     ) -> None:
         self.client = client
-        self.workers = [WorkerRef(self, name) for name in client.workers]
+        self._refs: dict[str, WorkerRef] = {}  # one WorkerRef per worker name
         self.local_workers = list(local_workers)  # the in-process runtimes, if any
         self._on_close = on_close
         self._module_tensors = WeakIdKeyDictionary()  # local tensor -> weakref to its pointer
+
+    @property
+    def workers(self) -> list[WorkerRef]:
+        """The workers in use: a lost one leaves the list, one that joins comes in (a worker
+        back under a lost one's name is a new worker: none of the old one's tensors)."""
+        names = lost.usable(self.client) if not self.client.closed else self.client.workers
+        return [self._refs.setdefault(n, WorkerRef(self, n)) for n in names]
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -245,7 +253,7 @@ class Grid:
         per_worker = {}
         lost = {}
         messages = bytes_ = 0
-        for w in self.client.workers:
+        for w in [*self.client.workers, *self.client.lost]:  # (a copy: a loss changes it)
             try:
                 reply = self.client.request(w, {"kind": "stats", "reset": reset}, counted=False)
             except (WorkerLost, SessionLost, GridError) as e:  # gone, or silent: say so
@@ -406,11 +414,13 @@ def local_grid(
         Worker(name, bus.endpoint(name), limits=limits, isolation=isolation) for name in names
     ]
     limit = limits.max_message_bytes if limits.max_message_bytes < 1 << 62 else None
+    by_name = dict(zip(names, workers))
     client = Client(
         bus.endpoint(f"client-{uuid.uuid4().hex[:8]}"),
         names,
         memory_cap=memory_cap,
         message_limit=lambda worker: limit,
+        alive=lambda name: name in by_name and not by_name[name].closed,  # (a stopped one: lost)
     )
 
     def stop_workers() -> None:

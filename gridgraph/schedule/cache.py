@@ -85,6 +85,11 @@ class PlanCache:
     def new_id(self) -> int:
         return next(self._ids)
 
+    def drop_naming(self, worker: str) -> None:
+        """Forget the plans that give `worker` a part (it was lost, or is another process)."""
+        for key in [k for k, plan in self._plans.items() if worker in plan.programs]:
+            del self._plans[key]
+
     def put(self, key: Hashable, plan: Plan) -> Plan:
         self._plans[key] = plan
         while len(self._plans) > self.capacity:

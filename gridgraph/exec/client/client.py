@@ -4,6 +4,7 @@ State:
     graph      pending nodes and the metadata of every value (gridgraph.trace.graph)
     live       value id -> cell of the pointer that names it now
     failed     value id -> the RemoteError that kept it from being computed
+    workers    the workers in use; `lost`: those found lost (exec/client/lost.py)
     requests   the requests to the workers, their resends and replies, and the ids waiting
                to be freed (exec/client/requests.py)
 
@@ -43,8 +44,10 @@ from gridgraph.errors import (
     WorkerLost,
 )
 from gridgraph.exec import wire
+from gridgraph.exec.client import lost
 from gridgraph.exec.client.checks import check_no_local_parameter, check_transfers, hint_trace
 from gridgraph.exec.client.inflight import MAX_IN_FLIGHT, InFlight, Run
+from gridgraph.exec.client.moves import move_storages
 from gridgraph.exec.client.requests import Requests
 from gridgraph.exec.protocol import SESSION_GONE, UNKNOWN_PLAN, client_topic, worker_topic
 from gridgraph.exec.transport import Transport
@@ -53,7 +56,6 @@ from gridgraph.schedule.cache import PlanCache, signature
 from gridgraph.schedule.cost import CostModel
 from gridgraph.schedule.place import place, storage_moves
 from gridgraph.schedule.plan import Plan, run_params, split
-from gridgraph.schedule.program import Free, Recv, Send, Step
 from gridgraph.trace.graph import Graph, Node
 from gridgraph.trace.meta import OutputSpec, TensorMeta, warm_up
 from gridgraph.trace.pointer import RemoteTensor
@@ -107,6 +109,7 @@ class Client:
     ) -> None:
         self.transport = transport
         self.workers = list(workers)
+        self.lost: dict[str, float] = {}  # worker -> when found lost (exec/client/lost.py)
         self.session = uuid.uuid4().hex[:12]
         self.topic = client_topic(transport.identity, self.session)
         # Requests to the workers: resent while their replies do not come (timeout,
@@ -120,7 +123,7 @@ class Client:
             retry_after=retry_after,
             alive=alive,
             message_limit=message_limit,
-            lost_values=self._values_on,
+            on_lost=functools.partial(lost.lost, self),
         )
         self.graph = Graph()
         self.live: dict[int, Cell] = {}
@@ -234,10 +237,10 @@ class Client:
             if vid in self.in_flight.held:  # released once the runs naming it settled
                 self._released_after_runs.append(cell)
                 continue
-            self.failed.pop(vid, None)
             value = self.graph.values.get(vid)
             if value is None or vid in pending_inputs or value.producer in self.graph:
-                continue  # pending: the plan frees it after its last use
+                continue  # pending: the plan frees it after its last use (or fails it)
+            self.failed.pop(vid, None)
             if value.location is not None:
                 released[value.location].append(vid)
             del self.graph.values[vid]
@@ -348,21 +351,22 @@ class Client:
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             if not nodes and not fetch:
                 return RunResult(Plan({}, [], [], {}), [], {})
-            for node in nodes:
-                for vid in node.inputs():
-                    if vid in self.failed:
-                        raise self.failed[vid]
             values = self.graph.values
             keep = self._keep(needed, nodes)
+            for node in nodes:  # (never to run: their values fail with the same error)
+                for vid in node.inputs():
+                    if vid in self.failed:
+                        self._forget_run(nodes, [], keep, self.failed[vid])
+                        raise self.failed[vid]
             key, slots = signature(nodes, values, keep, fetch, dynamic)
             plan = None if dynamic else self.plans.get(key)
             if plan is None:
                 try:
                     moves = storage_moves(nodes, values)
                     if moves:  # a cached plan never has split homes: only a miss can
-                        self._move_storages(moves)
+                        move_storages(self, moves)
                         key, slots = signature(nodes, values, keep, fetch, dynamic)
-                    placement = self.place(nodes, values, self.workers)
+                    placement = self.place(nodes, values, lost.usable(self))
                 except PlacementError as e:
                     self._forget_run(nodes, [], keep, e)  # nothing ran: no frees either
                     raise
@@ -374,6 +378,12 @@ class Client:
             # (a data-dependent op's plan is made anew each run: its answer times are
             # learned under what it runs, not its fresh id)
             learn_as = ("data-dependent", hash(key)) if dynamic else None
+            try:  # (a worker found lost: nothing is sent, and nothing ran)
+                lost.check(self, plan)
+            except WorkerLost as e:
+                lost.roll_back(self, nodes)
+                self._forget_run(nodes, slots, keep | set(self.live), e)
+                raise
             if not wait:
                 frees_on_error = [
                     (values[v].location, v)
@@ -390,7 +400,7 @@ class Client:
                 replies = {}
             else:
                 try:
-                    replies = self._run_plan(plan, slots, run_params(nodes), learn_as=learn_as)
+                    replies = self.run_plan(plan, slots, run_params(nodes), learn_as=learn_as)
                 except (RemoteError, WorkerLost) as e:
                     self._forget_run(nodes, slots, keep, e)
                     raise
@@ -468,42 +478,6 @@ class Client:
             if failure is not None:
                 raise failure
 
-    def _move_storages(self, moves: dict[int, str]) -> None:
-        """Move stored tensors (storage -> worker) straight from worker to worker, keeping
-        their value ids, so that pending nodes naming them need no change.
-
-        A storage moves only when one value is all that is known of it and it covers its
-        storage densely from offset 0: the copy a worker receives is contiguous, and two
-        views of one storage would arrive as two separate tensors.
-        """
-        values = self.graph.values
-        by_storage: dict[int, list[int]] = {s: [] for s in moves}
-        for vid, value in values.items():
-            if value.storage in by_storage and value.location is not None:
-                by_storage[value.storage].append(vid)
-        group: dict[tuple[str, str], list[int]] = defaultdict(list)  # (src, dst) -> slots
-        slots: list[int] = []
-        for storage, dst in moves.items():
-            vid, *others = by_storage[storage]
-            src, meta = values[vid].location, values[vid].meta
-            if others or meta.offset or not _dense(meta):
-                raise PlacementError(
-                    f"an op views or writes tensors stored on {src!r} and {dst!r}, which must "
-                    f"then be one tensor on one worker, and %{vid} {tuple(meta.shape)} on {src!r}"
-                    " shares its storage with other tensors; move it first (pointer.move(w))"
-                )
-            slots.append(vid)
-            group[(src, dst)].append(len(slots) - 1)
-        steps: dict[str, list[Step]] = defaultdict(list)
-        for (src, dst), moved in group.items():  # one message from each worker to each other
-            steps[src].extend([Send(moved, dst), *(Free(slot) for slot in moved)])
-            steps[dst].append(Recv(moved, src))
-        plan = Plan({w: [s] for w, s in steps.items()}, slots, [], {})
-        plan.id = self.plans.new_id()  # run once, never cached
-        self._run_plan(plan, slots, [], learn_as="storage move")
-        for storage, dst in moves.items():
-            values[by_storage[storage][0]].location = dst
-
     def compile(self, vids: list[int], placement_fn=None) -> tuple[list[Node], dict, Plan]:
         """The plan that computing `vids` would run now, without running it (for explain)."""
         with self._lock:
@@ -511,7 +485,7 @@ class Client:
             needed = self.graph.needed_for(vids)
             nodes = [self.graph.pending[n] for n in sorted(needed)]
             place = placement_fn or self.place
-            placement = place(nodes, self.graph.values, self.workers)
+            placement = place(nodes, self.graph.values, lost.usable(self))
             keep = self._keep(needed, nodes) | set(vids)
             return nodes, placement, split(nodes, placement, self.graph.values, keep)
 
@@ -539,7 +513,7 @@ class Client:
             if vid not in keep and value is not None and value.location is not None:
                 self.free_later(value.location, vid)
 
-    def _run_plan(
+    def run_plan(
         self,
         plan: Plan,
         slots: list[int],
@@ -587,7 +561,7 @@ class Client:
             }
             if plan.peers_of[worker]:
                 msg["peers"] = {w: self.identity_of(w) for w in plan.peers_of[worker]}
-            if plan.id not in self._programs_sent[worker]:
+            if plan.id not in self._programs_sent.setdefault(worker, set()):
                 msg["program"] = plan.wire[worker]
             msgs[worker] = msg
         rids = {w: self.requests.send(w, msg, in_order=True) for w, msg in msgs.items()}
@@ -637,7 +611,7 @@ class Client:
         its next op, one queued is answered without running. Safe from any thread; the
         runs' waits then end with their errors (or `_drop_in_flight` gives them up)."""
         latest = self.in_flight.latest
-        for w in self.workers:
+        for w in list(self.workers):  # (a copy: another thread may find one lost)
             abort = {"kind": "abort", "upto": latest, "session": self.session}
             try:
                 self.transport.publish(worker_topic(w), wire.encode(abort), False)
@@ -674,10 +648,11 @@ class Client:
         except WorkerLost:
             for w in rids:  # unblock the others, which may wait on the lost worker's sends
                 if self.alive(w):
-                    self.transport.publish(
-                        worker_topic(w),
-                        wire.encode({"kind": "abort", "run": run.number, "session": self.session}),
-                    )
+                    abort = {"kind": "abort", "run": run.number, "session": self.session}
+                    try:  # (the WorkerLost is what the user gets, whatever the transport says)
+                        self.transport.publish(worker_topic(w), wire.encode(abort))
+                    except Exception:  # (their recv times out instead)
+                        pass
             raise
         self.runs_done += 1
         self.run_seconds += time.monotonic() - run.sent_at
@@ -694,6 +669,9 @@ class Client:
         """The transport identity of `worker` as this client knows it (on IPFS, from its
         directory, where `trust` and the pinned workers hold)."""
         identity = self.transport.recipient(worker_topic(worker))
+        if identity is None and not self.alive(worker):  # (stopped: its topic is gone)
+            lost.lost(self, worker)
+            raise lost.error(self, worker)
         if identity is None:
             raise GridError(
                 f"worker {worker!r} has no known identity on this transport, so no run may "
@@ -740,15 +718,6 @@ class Client:
             self.settle()
         return self.requests.call(worker, msg, counted)
 
-    def _values_on(self, worker: str) -> list[str]:
-        """Describe the live values stored on `worker`, for WorkerLost."""
-        lost = []
-        for vid in self.live:
-            value = self.graph.values.get(vid)
-            if value is not None and value.location == worker:
-                lost.append(f"{self.graph.label(vid)} {tuple(value.meta.shape)} {value.meta.dtype}")
-        return lost
-
     # --- lifecycle -------------------------------------------------------------------------
 
     def check_open(self) -> None:
@@ -765,7 +734,7 @@ class Client:
             self.settle()
         except (RemoteError, WorkerLost, GridError) as e:  # raised once the byes are sent
             failure = e
-        for w in self.workers:
+        for w in [*self.workers, *self.lost]:  # (a copy: a loss changes it)
             try:
                 self.request(w, {"kind": "bye"})
             except (GridError, WorkerLost, SessionLost):  # gone already: nothing to free
@@ -775,16 +744,6 @@ class Client:
         self.transport.close()
         if failure is not None:
             raise failure
-
-
-def _dense(meta: TensorMeta) -> bool:
-    """Whether a tensor of this layout is contiguous (what a transfer delivers)."""
-    expected = 1
-    for size, stride in reversed(list(zip(meta.shape, meta.stride))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _meta(m: list) -> TensorMeta:

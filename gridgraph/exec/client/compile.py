@@ -39,6 +39,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gridgraph.errors import GridError, RemoteError, WorkerLost
+from gridgraph.exec.client import lost
 from gridgraph.exec.client.client import CLIENTS, Cell, Client
 from gridgraph.exec.client.guards import (
     aliases,
@@ -473,6 +474,10 @@ class _Recording:
         # (slot, meta, first slot on its storage, worker) of each value the step makes.
         self.outputs: list[tuple[int, TensorMeta, int, str]] = []
         self.where: dict[int, str] = {}
+        # (op, meta) of the node that made each kept value: errors name a replay's values
+        # as the recording's (`weight.grad`, `relu@train.py:12`).
+        self.origins = {slot_of[v]: (n.op, n.meta) for v, n in self.produced.items()
+                        if v in values and v in slot_of}  # fmt: skip
         for s, vid in enumerate(slots):
             meta, location, storage = self.info[vid]
             first = first_with.setdefault(storage, s)
@@ -640,6 +645,8 @@ class _Replay:
         rec, client = self.rec, self.rec.client
         with client.exclusive():
             client.release_dead()
+            if not set(rec.plan.programs) <= set(lost.usable(client)):
+                return _MISS  # a worker it runs on was lost: record it anew, placed without
             if client.graph.pending:
                 client.compute_all()
             client.prefetched.clear()
@@ -681,6 +688,7 @@ class _Replay:
             outputs = [slots[s] for s, _, _, _ in rec.outputs if s in rec.kept]
             frees_on_error = [(location, slots[s]) for s, _, (_, location, _, _) in rec.inputs
                               if s not in rec.kept and location is not None]  # fmt: skip
+            lost.check(client, rec.plan)  # (a worker found lost: nothing sent, nothing ran)
             try:  # (returns once sent: its small results come back with its replies)
                 client.replay(rec.plan, slots, params, rec.where, outputs, frees_on_error)
             except (RemoteError, WorkerLost) as e:
@@ -698,6 +706,7 @@ class _Replay:
                 vid = slots[s]
                 graph.add_value(meta, storage=storage_at[s], vid=vid,
                                 location=None if error else worker)  # fmt: skip
+                graph.values[vid].origin = rec.origins.get(s)
                 if error is not None:
                     client.failed[vid] = error
         for s, _, (_, location, _, _) in rec.inputs:

@@ -32,9 +32,10 @@ other is dropped before it is decoded); a waiter wakes once all of its replies a
 worker that `alive` says is gone fails its waits at once, unless it replied within
 HEARD_ALIVE s (a reply is a sign of life too).
 
-The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`) and the ids
-to free (`free`, `free_later`); this knows workers by name and value ids as plain numbers,
-nothing of plans or pointers, and asks the client only to describe what a lost worker held.
+The seam: the client hands this its requests (`send`, `wait`, `wait_all`, `call`), the ids
+to free (`free`, `free_later`) and the workers that join (`add_worker`); this knows workers
+by name and value ids as plain numbers, nothing of plans or pointers, and tells the client
+only that a worker is lost (`on_lost`, which describes what went with it).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ FREE_BATCH = 512
 # heartbeats: as long as ipfs/discovery.py's DEAD_AFTER).
 HEARD_ALIVE = 5.0
 MiB = 1 << 20
+LOST_HINT = (
+    "the grid goes on without it: send what you need again to the workers left "
+    "(grid.workers), or connect again once it is back"
+)
 
 
 @dataclass(slots=True)
@@ -74,7 +79,7 @@ class _FreeBatch:
 class Requests:
     """The requests of one client session to its workers, and their replies.
 
-    >>> requests = Requests(transport, topic, session, ["w0"], lost_values=lambda w: [])
+    >>> requests = Requests(transport, topic, session, ["w0"], on_lost=lambda w: [])
     >>> requests.call("w0", {"kind": "ping"})["ok"]
     True
     """
@@ -90,7 +95,7 @@ class Requests:
         retry_after: float = 2.0,
         alive: Callable[[str], bool] = lambda worker: True,
         message_limit: Callable[[str], int | None] = lambda worker: None,
-        lost_values: Callable[[str], list[str]],
+        on_lost: Callable[[str], list[str]],
     ) -> None:
         self.transport = transport
         self.session = session
@@ -106,8 +111,8 @@ class Requests:
         # The largest request each worker reads (None: no limit known); a larger one is
         # refused here, before it is sent, rather than dropped there while we wait.
         self.message_limit = message_limit
-        # Describes the values a worker held, for WorkerLost (the client knows them).
-        self.lost_values = lost_values
+        # Told that a worker is lost; describes the values gone with it, for WorkerLost.
+        self.on_lost = on_lost
         self.frees: dict[str, list[int]] = {w: [] for w in workers}
         # How long each plan's runs, and each kind of request to each worker, took: a small
         # request whose reply is late by far more is sent again then, once, before
@@ -144,7 +149,7 @@ class Requests:
         worker for which FREE_BATCH or more wait, they go now, in a batch of their own."""
         with self._cv:
             for w, ids in released.items():
-                self.frees[w].extend(ids)
+                self.frees.setdefault(w, []).extend(ids)
         for w, ids in self.frees.items():
             if len(ids) >= FREE_BATCH:
                 self.send(w, {"kind": "free"}, awaited=False)
@@ -152,7 +157,7 @@ class Requests:
     def free_later(self, worker: str, ids: list[int]) -> None:
         """Free these value ids with the next request to `worker`, however few."""
         with self._cv:
-            self.frees[worker].extend(ids)
+            self.frees.setdefault(worker, []).extend(ids)
 
     def close(self) -> None:
         """Forget the batches of frees awaiting replies (the session ended: its worker freed
@@ -161,6 +166,17 @@ class Requests:
             for rid, batch in self._free_batches.items():
                 self._done(batch.worker, rid)
             self._free_batches.clear()
+
+    def add_worker(self, worker: str, fresh: bool = False) -> None:
+        """Take requests to `worker` from now on. `fresh`: a new process under a name known
+        here: nothing sent to the old one is pending there (its frees, its runs' order)."""
+        with self._cv:
+            self.frees.setdefault(worker, [])
+            self._unacked.setdefault(worker, {})
+            self._acked_above.setdefault(worker, set())
+            if fresh:
+                self.frees[worker] = []
+                self._last_in_order.pop(worker, None)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -188,6 +204,8 @@ class Requests:
         its ids were freed (`_free_batches`). One `in_order` (a run) names the one sent
         `in_order` to the same worker before it (`after`): the worker serves them in the
         order sent."""
+        if worker not in self._unacked:  # (a worker this client was not made with)
+            self.add_worker(worker)
         refile = bool(self._free_batches) and self.alive(worker)  # (see _refile_frees)
         with self._cv:  # (another thread's reply may put frees back meanwhile)
             if refile:
@@ -228,11 +246,13 @@ class Requests:
             self.transport.publish(topic, payload, counted, identity)
         except NotSent:  # as a message lost: its wait sends it again (a batch of frees:
             pass  # its ids go again once it is long unanswered)
-        except BaseException:  # (the transport is closed): nothing will wait for it
+        except BaseException as error:  # (the transport is closed): nothing will wait for it
             with self._cv:
                 if self._outstanding.pop(rid, None) or self._free_batches.pop(rid, None):
                     self.frees[worker].extend(frees)
                     self._done(worker, rid)
+            if isinstance(error, Exception) and self.gone(worker):  # (Kubo's HTTP 500 ...)
+                raise WorkerLost(worker, self.on_lost(worker), LOST_HINT) from error
             raise
         return rid
 
@@ -314,7 +334,7 @@ class Requests:
                 now = time.monotonic()
                 for w in waiting:
                     if not self.alive(w) and not self._heard_lately(rids[w], now):
-                        raise WorkerLost(w, self.lost_values(w))
+                        raise WorkerLost(w, self.on_lost(w), LOST_HINT)
                     if now >= due[w]:
                         identity, payload, _ = self._outstanding[rids[w]]
                         # ipfs: recovery traffic is not counted: stats do not depend on losses
@@ -350,6 +370,14 @@ class Requests:
                 if self._outstanding.pop(rid, None) is not None:
                     self._done(w, rid)
                 self._replies.pop(rid, None)
+
+    def gone(self, worker: str) -> bool:
+        """Whether a request to `worker` would fail at once as lost: `alive` says it is gone
+        and it has not replied within HEARD_ALIVE s."""
+        if self.alive(worker):
+            return False
+        heard = self._heard.get(self.transport.recipient(worker_topic(worker)), -math.inf)
+        return time.monotonic() - heard >= HEARD_ALIVE
 
     def _heard_lately(self, rid: str, now: float) -> bool:
         """Whether the worker request `rid` went to answered any request within HEARD_ALIVE

@@ -7,6 +7,11 @@ State: the grid's transport, its discovery `Directory` (`trust`, pinned workers)
   stay those of the worker the client connected to;
 - one that announces itself but does not answer a ping within PING_TIMEOUT s is left out of
   a grid asked for no names in particular (anyone can announce a name); a named one must;
+- a worker that announces itself after `connect` (with `trust`, only one it names) joins the
+  grid once it answers a ping, unless `workers=` named the grid's workers; one announced
+  under a name the client pinned by another process of the same node (a restart) joins as
+  a new worker, none of the old one's tensors assumed there (exec/client/lost.py); another
+  peer that takes a pinned name stays out (as an impostor would);
 - each worker is pinged (a `stats` request, which workers leave out of the traffic counts) at
   a third of the lease it announces, at most every MIN_PING_INTERVAL s: an idle grid keeps
   its tensors, and each worker's lease sets its own pings only;
@@ -23,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from gridgraph.errors import GridError
 from gridgraph.exec import wire
+from gridgraph.exec.client import lost
 from gridgraph.exec.client.client import Client
 from gridgraph.exec.grid import Grid
 from gridgraph.exec.ipfs.discovery import (
@@ -174,7 +179,7 @@ def grid_over(
     except BaseException:
         transport.close()
         raise
-    keepalive = _KeepAlive(client, directory, lease)
+    keepalive = _KeepAlive(client, directory, lease, new_names=workers is None)
     keepalive.start()
     log.info("connected to %d workers on %s: %s", len(names), where, ", ".join(names))
     return Grid(client, on_close=keepalive.stop.set)
@@ -203,20 +208,28 @@ class _KeepAlive(threading.Thread):
     """Pings each worker at a third of its lease (`lease`: the same for all), so an idle
     grid keeps its tensors."""
 
-    def __init__(self, client: Client, directory: Directory, lease: float | None) -> None:
+    def __init__(
+        self, client: Client, directory: Directory, lease: float | None, new_names: bool
+    ) -> None:
         super().__init__(name=f"gridgraph-keepalive-{client.session}", daemon=True)
-        self.client, self.directory = client, directory
-        self.intervals = {
-            w: max(MIN_PING_INTERVAL, (lease or directory.lease([w])) / 3) for w in client.workers
-        }
+        self.client, self.directory, self.lease = client, directory, lease
+        self.new_names = new_names  # whether workers not connected to may join
+        self.intervals = {w: self._interval(w) for w in client.workers}
         self.stop = threading.Event()
+        self._joining: set[str] = set()  # names being pinged before they join
+
+    def _interval(self, worker: str) -> float:
+        return max(MIN_PING_INTERVAL, (self.lease or self.directory.lease([worker])) / 3)
 
     def run(self) -> None:
         due = {w: time.monotonic() + interval for w, interval in self.intervals.items()}
         while True:
-            wait = min(due.values(), default=math.inf) - time.monotonic()
-            if self.stop.wait(max(0.0, wait) if math.isfinite(wait) else None):
+            wait = min([*due.values(), time.monotonic() + HEARTBEAT]) - time.monotonic()
+            if self.stop.wait(max(0.0, wait)):
                 return
+            for name in self._admit():
+                self.intervals[name] = self._interval(name)
+                due[name] = time.monotonic() + self.intervals[name]
             for w, at in due.items():
                 if self.client.closed or self.stop.is_set():
                     return
@@ -236,3 +249,28 @@ class _KeepAlive(threading.Thread):
                     self.client.transport.publish(worker_topic(w), wire.encode(msg), False)
                 except Exception as e:  # closed under us, or Kubo is down: try next time
                     log.debug("keepalive to %s failed: %s", w, e)
+
+    def _admit(self) -> list[str]:
+        """Start pinging the workers heard since connect (a thread each: a squatted name
+        never answers); returns those whose ping came back, now in the grid."""
+        joined = [n for n in list(self._joining) if n in self.client.workers]
+        self._joining.difference_update(joined)
+        for name, fresh in self.directory.joiners(self.new_names):
+            if name not in self._joining and not self.client.closed:
+                self._joining.add(name)
+                threading.Thread(target=self._join, args=(name, fresh), daemon=True).start()
+        return joined
+
+    def _join(self, name: str, fresh: bool) -> None:
+        if fresh:  # (before it is pinned: the old process's values are not taken for its)
+            lost.replaced(self.client, name)
+        self.directory.pin([name])  # (its messages are sealed for this endpoint from here)
+        self.client.requests.add_worker(name)
+        try:
+            self.client.requests.call(name, {"kind": "ping"}, counted=False)
+        except Exception as e:  # silent, or refusing: someone's stale or squatted name
+            log.warning("worker %s announced itself but did not answer: %s", name, e)
+            self._joining.discard(name)
+            return
+        lost.join(self.client, name)
+        log.info("worker %s joined the grid%s", name, " (a new process)" if fresh else "")

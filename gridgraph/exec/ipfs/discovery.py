@@ -408,6 +408,29 @@ class Directory:
             for n in names:
                 self._pinned[n] = self._seen[n]
 
+    def joiners(self, new_names: bool) -> list[tuple[str, bool]]:
+        """Workers alive now that this client has not pinned as they are: (name, fresh), where
+        `fresh` is a pinned name now announced by another process of the same node (a
+        restart: another peer that took the name once it fell silent stays out, as an
+        impostor would); with `new_names`, names never pinned too (fresh False). Only what
+        `trust` lets in was heard at all."""
+        now = time.monotonic()
+        with self._cv:
+            found = []
+            for name, seen in self._seen.items():
+                if not self._fresh(seen, now) or self._claimants(name, now) is not None:
+                    continue
+                pinned = self._pinned.get(name)
+                if pinned is None and new_names:
+                    found.append((name, False))
+                elif (
+                    pinned is not None
+                    and peer_of(pinned.identity) == peer_of(seen.identity)
+                    and (pinned.identity, pinned.instance) != (seen.identity, seen.instance)
+                ):
+                    found.append((name, True))
+            return found
+
     def wait(
         self,
         min_workers: int = 1,

@@ -764,6 +764,11 @@ class Worker:
                   "dst": self.name}  # fmt: skip
         self._outbox.put(session.peer, worker_topic(src), wire.encode(resend), peer)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` stopped it (a local grid's client then takes it for lost)."""
+        return self._closed
+
     def close(self) -> None:
         self._closed = True
         self.transport.close()

@@ -39,7 +39,7 @@ def chaos():
     worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
     transport = bus.endpoint("client")
     requests = Requests(transport, client_topic("client", "s1"), "s1", ["w0"],
-                        retry_after=0.05, timeout=60, lost_values=lambda w: [])  # fmt: skip
+                        retry_after=0.05, timeout=60, on_lost=lambda w: [])  # fmt: skip
     yield bus, requests, worker
     worker.close()
     bus.close()
@@ -163,7 +163,7 @@ def test_a_publish_refused_for_now_is_sent_again_never_raised():
     bus = RefusingBus(refusals=3)
     worker = Worker("w0", bus.endpoint("w0"), limits=Limits.unlimited())
     requests = Requests(bus.endpoint("client"), client_topic("client", "s1"), "s1", ["w0"],
-                        retry_after=0.05, lost_values=lambda w: [])  # fmt: skip
+                        retry_after=0.05, on_lost=lambda w: [])  # fmt: skip
     try:
         assert requests.call("w0", {"kind": "put", "values": [[1, torch.zeros(1)]]})["ok"]
         assert requests.call("w0", add_one_in_place(1))["ok"]
@@ -182,7 +182,7 @@ def test_a_worker_that_replies_is_alive_whatever_its_heartbeats():
 
     def requests_of(name: str, on: LocalBus = bus) -> Requests:
         return Requests(on.endpoint(name), client_topic(name, "s1"), "s1", ["w0"],
-                        alive=lambda w: heartbeats[0], lost_values=lambda w: [])  # fmt: skip
+                        alive=lambda w: heartbeats[0], on_lost=lambda w: [])  # fmt: skip
 
     try:
         requests = requests_of("client")
