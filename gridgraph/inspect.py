@@ -75,7 +75,11 @@ def visualize(obj: Any, path: str, *, full: bool = False) -> str:
     if full:
         dot = text.to_dot(nodes, graph.values, placement, plan, client.workers, graph.label)
     else:
+
+        def drawn_name(vid: int) -> str | None:  # (optimizer state is folded, named or not)
+            return None if graph.is_state(vid) else graph.user_name(vid)
+
         dot = compact.to_dot(
-            nodes, graph.values, placement, plan, client.workers, graph.label, graph.user_name
+            nodes, graph.values, placement, plan, client.workers, graph.label, drawn_name
         )
     return text.write(dot, plan, path)

@@ -125,6 +125,7 @@ class Graph:
         self._readers: dict[int, list[int]] = {}
         # Storage -> (the name a user gave it, the shape it had then); pruned as storages die.
         self.names: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self.state: set[int] = set()  # named storages that are an optimizer's state
         self._names_pruned_at = 64
 
     def new_id(self) -> int:
@@ -158,14 +159,23 @@ class Graph:
         )
         return value
 
-    def name(self, vid: int, name: str) -> None:
-        """Call the storage of value `vid` (and every later version of it) `name`."""
+    def name(self, vid: int, name: str, state: bool = False) -> None:
+        """Call the storage of value `vid` (and every later version of it) `name`; `state`:
+        it is an optimizer's state (a compact picture folds it into what reads it)."""
         value = self.values[vid]
         self.names[value.storage] = (name, tuple(value.meta.shape))
+        if state:
+            self.state.add(value.storage)
         if len(self.names) > self._names_pruned_at:  # forget names of storages now gone
-            live = {v.storage for v in self.values.values()}
+            live = {v.storage for v in list(self.values.values())}
             self.names = {s: n for s, n in self.names.items() if s in live}
+            self.state &= live
             self._names_pruned_at = max(64, 2 * len(self.names))
+
+    def is_state(self, vid: int) -> bool:
+        """Whether value `vid`'s storage was named as an optimizer's state."""
+        value = self.values.get(vid)
+        return value is not None and value.storage in self.state
 
     def user_name(self, vid: int) -> str | None:
         """The name a user gave this value's storage ('view of w' for a reshaped view)."""

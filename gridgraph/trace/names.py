@@ -228,7 +228,7 @@ def name_optimizer_state(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         for key, value in state.items():
             same_grid = isinstance(value, RemoteTensor) and value._owner is param._owner
             if same_grid and graph.user_name(value._vid) is None:
-                graph.name(value._vid, f"{name}.{key}")
+                graph.name(value._vid, f"{name}.{key}", state=True)
 
 
 register_optimizer_step_post_hook(name_optimizer_state)

@@ -64,7 +64,7 @@ def test_a_training_step_folds_into_a_box_per_module_call_and_line(mlp_step):
 
 def test_the_compact_dot_names_values_and_hides_unnamed_state(mlp_step, tmp_path):
     dot = open(gg.visualize(mlp_step, str(tmp_path / "step.dot"))).read()
-    for name in ("model[0].weight", "model[2].bias", "X\\n256x16", "Y\\n256 int64"):
+    for name in ("model[0].weight", "model[2].bias", "x\\n256x16", "y\\n256 int64"):
         assert name in dot
     assert "reads 4 stored" in dot  # Adam's exp_avg and exp_avg_sq of two parameters
     assert "@" not in re.sub(r"tooltip=\"[^\"]*\"", "", dot)  # no op@line ellipses drawn

@@ -491,8 +491,8 @@ class Client:
 
     def _keep(self, needed: set[int], nodes: list[Node]) -> set[int]:
         """Values that must outlive this run: live pointers and inputs of later work."""
-        keep = set(self.live)
-        for nid, node in self.graph.pending.items():
+        keep = set(self.live)  # (snapshots: other threads record meanwhile)
+        for nid, node in list(self.graph.pending.items()):
             if nid not in needed:
                 keep.update(node.inputs())
         for node in nodes:

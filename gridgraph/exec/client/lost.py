@@ -77,9 +77,9 @@ def gone_with(client: Client, worker: str) -> list[str]:
                 for slot in getattr(step, "outs", ()):
                     made_there.add(run.slots[slot])
     # A pending value is gone with the storage it writes (a parameter's next version).
-    stored_there = {v.storage for v in graph.values.values() if v.location == worker}
+    stored_there = {v.storage for v in list(graph.values.values()) if v.location == worker}
     gone = []
-    for vid in client.live:
+    for vid in list(client.live):  # (a snapshot: other threads record meanwhile)
         value = graph.values.get(vid)
         if value is not None and (
             value.location == worker
@@ -123,7 +123,7 @@ def roll_back(client: Client, nodes: list[Node]) -> None:
     values = client.graph.values
     made = {vid for node in nodes for vid in node.outputs}
     stored: dict[tuple, int] = {}  # (storage, meta) -> a value stored with them
-    for vid, value in values.items():
+    for vid, value in list(values.items()):
         if value.location is not None and vid not in client.failed:
             stored.setdefault((value.storage, value.meta), vid)
     for vid in [v for v in client.live if v in made]:
@@ -144,7 +144,7 @@ def replaced(client: Client, worker: str) -> None:
     old one's values, programs or requests are there. Its values fail with `WorkerLost`."""
     with client.exclusive():
         gone = WorkerLost(worker, gone_with(client, worker), LOST_HINT)
-        for vid, value in client.graph.values.items():
+        for vid, value in list(client.graph.values.items()):
             if value.location == worker:
                 value.location = None
                 client.failed[vid] = gone
