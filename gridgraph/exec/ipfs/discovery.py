@@ -157,6 +157,9 @@ class Seen:
     lease: float
     gone: bool = False
     info: dict[str, float] | None = None  # what it announced of ANNOUNCED
+    # Since last heard: whether its node held its topic when last asked, and when (`alive`)
+    subscribed: bool = True
+    probed_at: float = -math.inf
 
 
 def subscription_probe(transport: Transport) -> Callable[[str, str], bool | None] | None:
@@ -202,7 +205,6 @@ class Directory:
         # (name, peer ID) -> whether that node still holds the subscription to the name's
         # topic (None: could not tell)
         self.subscribed = subscribed
-        self._probed: dict[str, tuple[float, bool]] = {}  # name -> when subscribed said what
         self.trust = trust  # None: an open grid, any peer may announce a worker
         self.on_discover = on_discover  # a worker announces itself now
         self._seen: dict[str, Seen] = {}
@@ -347,15 +349,15 @@ class Directory:
                 return True
             if self.subscribed is None:
                 return False
-            when, said = self._probed.get(name, (-math.inf, True))
-            if now - when < PROBE_EVERY:
-                return said
-            self._probed[name] = (now, said)  # (meanwhile others take the last answer)
+            if now - seen.probed_at < PROBE_EVERY:
+                return seen.subscribed
+            seen.probed_at = now  # (meanwhile others take the last answer)
         answer = self.subscribed(name, peer_of(seen.identity))
         with self._cv:
-            said = said if answer is None else answer
-            self._probed[name] = (time.monotonic(), said)
-        return said
+            if answer is not None:
+                seen.subscribed = answer
+            seen.probed_at = time.monotonic()
+            return seen.subscribed
 
     def identity(self, name: str, wait: float = 0.0) -> str | None:
         """The identity of worker `name`: the pinned one once pinned, else the one that owns

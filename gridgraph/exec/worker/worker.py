@@ -21,9 +21,8 @@ Policy:
 - bounded: messages by `max_message_bytes`; a peer by `sessions_per_peer` (`_session`), its
   request rate and its refusals' rate, its share of the network process's memory (`budget`,
   safety/budget.py: what waits in queues and in the outbox, records, transfers) and of the
-  executor places
-  (shares.py); a session by its memory (queued requests included) and time limits; an
-  ended session's requests are refused as `session-ended`;
+  executor places (shares.py); a session by its memory (queued requests included) and time
+  limits; an ended session's requests are refused as `session-ended`;
 - replies go only to the sender's own topic for its session; transfers only between the
   identities a run names for its workers (`peers`, run.py refuses a run without them), kept
   against someone's memory (`_accept_transfer`), resent only to the identity they went to
